@@ -1,0 +1,54 @@
+"""kvfsm: KV-cache offloading for LLM inference engines, driven by formally specified state machines.
+
+``import kvfsm`` needs only ``transitions``; the data plane (``kvfsm.data``) and the reference engine
+(``kvfsm.engine``) need the ``torch`` extra.
+"""
+
+from __future__ import annotations
+
+from kvfsm.errors import (
+    AckCountError,
+    ConfigError,
+    DuplicateRequestError,
+    InvalidTransition,
+    KeyNotReadyError,
+    KvfsmError,
+    SpecError,
+    UnknownJobError,
+    UnknownRequestError,
+)
+from kvfsm.states import (
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobKind,
+    JobState,
+    RequestEvent,
+    RequestState,
+    SlotEvent,
+    SlotState,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AckCountError",
+    "ConfigError",
+    "DuplicateRequestError",
+    "EngineEvent",
+    "EngineState",
+    "InvalidTransition",
+    "JobEvent",
+    "JobKind",
+    "JobState",
+    "KeyNotReadyError",
+    "KvfsmError",
+    "RequestEvent",
+    "RequestState",
+    "SlotEvent",
+    "SlotState",
+    "SpecError",
+    "UnknownJobError",
+    "UnknownRequestError",
+    "__version__",
+]

@@ -1,0 +1,97 @@
+"""A transfer job: the job machine's model, shared by the scheduler half and the workers."""
+
+from __future__ import annotations
+
+from kvfsm.control.types import GPUBlockSpec, OffloadKey, SlotSpec
+from kvfsm.errors import AckCountError
+from kvfsm.fsm import SpecMachine
+from kvfsm.machines import job_machine
+from kvfsm.states import JOB_TERMINAL, JobEvent, JobKind, JobState
+
+__all__ = ["Job"]
+
+
+class Job:
+    """One job from planning to its terminal outcome; only ``launch/ack/fail/cancel/discard`` move it.
+
+    ``pending`` starts at the world size W and reaches 0 exactly at the W-th ack, when the job commits.
+    """
+
+    __slots__ = (
+        "gpu",
+        "job_id",
+        "keys",
+        "kind",
+        "launched_mask",
+        "machine",
+        "pending",
+        "req_id",
+        "slots",
+        "state",
+        "world_size",
+    )
+
+    def __init__(
+        self,
+        job_id: int,
+        kind: JobKind,
+        req_id: str,
+        keys: tuple[OffloadKey, ...],
+        gpu: GPUBlockSpec,
+        slots: SlotSpec,
+        world_size: int,
+        machine: SpecMachine[JobState, JobEvent] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.kind = kind
+        self.req_id = req_id
+        self.keys = keys
+        self.gpu = gpu
+        self.slots = slots
+        self.world_size = world_size
+        self.pending = world_size
+        self.launched_mask = 0
+        self.state = JobState.SUBMITTED
+        self.machine = machine if machine is not None else job_machine()
+
+    def __repr__(self) -> str:
+        return (
+            f"Job({self.job_id}, {self.kind.value}, req={self.req_id!r}, "
+            f"{self.state.value}, pending={self.pending})"
+        )
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in JOB_TERMINAL
+
+    def current(self) -> JobState:
+        """The state, read through a call so that mypy does not narrow it across transitions."""
+        return self.state
+
+    def launch(self, rank: int) -> bool:
+        """Worker ``rank`` starts its shard; True means the caller must start the copy."""
+        if not 0 <= rank < self.world_size:
+            raise AckCountError(f"job {self.job_id}: worker rank {rank} outside 0..{self.world_size - 1}")
+        effect = self.machine.fire(self, JobEvent.LAUNCH, rank)
+        self.launched_mask |= 1 << rank
+        return effect == "start_copy"
+
+    def ack(self, count: int) -> bool:
+        """Record ``count`` worker acks; True exactly once, when the last one commits the job."""
+        if self.state is JobState.IN_FLIGHT and not 0 < count <= self.pending:
+            raise AckCountError(
+                f"job {self.job_id}: {count} acks reported but {self.pending} pending; "
+                f"expected 1..{self.pending}"
+            )
+        effect = self.machine.fire(self, JobEvent.ACK, count)
+        self.pending -= count
+        return effect == "commit"
+
+    def fail(self) -> None:
+        self.machine.fire(self, JobEvent.FAIL)
+
+    def cancel(self) -> None:
+        self.machine.fire(self, JobEvent.CANCEL)
+
+    def discard(self) -> None:
+        self.machine.fire(self, JobEvent.DISCARD)

@@ -1,0 +1,83 @@
+"""Records shared by the control plane, the worker and the engine (vLLM's vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvfsm.states import JobKind
+
+__all__ = [
+    "GPUBlockSpec",
+    "LookupResult",
+    "OffloadKey",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "SlotSpec",
+    "TransferJob",
+    "make_offload_key",
+]
+
+#: A chunk's identity in every tier: the block hash of its last hash-block plus the group index.
+OffloadKey = bytes
+
+
+def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
+    return block_hash + group_idx.to_bytes(4, "big")
+
+
+class LookupResult(Enum):
+    MISS = "miss"  #: not offloaded
+    HIT = "hit"  #: offloaded and readable
+    HIT_PENDING = "hit_pending"  #: present, but its store (or promotion) is still in flight
+    RETRY = "retry"  #: location not known yet (async lookup or promotion under way): ask again
+
+
+@dataclass(frozen=True, slots=True)
+class ReqContext:
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """CPU primary slots, one per chunk, in key order."""
+
+    slot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GPUBlockSpec:
+    """GPU blocks of one job, in logical order.
+
+    ``first_block_offset`` is the logical index of ``block_ids[0]`` inside its chunk: a load may start
+    part-way into a chunk (its first chunk's leading sub-blocks are skipped); stores always start at 0.
+    """
+
+    block_ids: tuple[int, ...]
+    first_block_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    keys_to_store: tuple[OffloadKey, ...]
+    store_spec: SlotSpec
+    evicted_keys: tuple[OffloadKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingEvent:
+    keys: tuple[OffloadKey, ...]
+    medium: str
+    removed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob:
+    """One job as the worker sees it. Stores copy gpu -> slots; loads copy slots -> gpu."""
+
+    job_id: int
+    req_id: str
+    kind: JobKind
+    gpu: GPUBlockSpec
+    slots: SlotSpec

@@ -1,0 +1,128 @@
+"""The spec machines with their guards bound: the only code that says *when* a transition may fire.
+
+Each guard is a function ``(model, arg) -> bool``; ``arg`` is the event's one integer argument (an ack
+count, a worker rank) or 0. Names must match the ``[guards]`` tables in spec/ exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+from kvfsm.fsm import SpecMachine
+from kvfsm.states import (
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobState,
+    RequestEvent,
+    RequestState,
+    SlotEvent,
+    SlotState,
+)
+
+__all__ = ["engine_machine", "job_machine", "request_machine", "slot_machine"]
+
+
+class _JobModel(Protocol):
+    state: JobState
+    pending: int
+    launched_mask: int
+
+
+class _SlotModel(Protocol):
+    state: SlotState
+    readers: int
+
+
+class _RequestModel(Protocol):
+    state: RequestState
+
+    def has_jobs(self) -> bool: ...
+
+
+class _EngineModel(Protocol):
+    state: EngineState
+
+    def has_pending_push_work(self) -> bool: ...
+
+
+def _worker_not_launched(job: _JobModel, rank: int) -> bool:
+    return not (job.launched_mask >> rank) & 1
+
+
+def _acks_still_pending(job: _JobModel, count: int) -> bool:
+    return 0 < count < job.pending
+
+
+def _ack_is_last(job: _JobModel, count: int) -> bool:
+    return count == job.pending
+
+
+def _other_readers_remain(slot: _SlotModel, _: int) -> bool:
+    return slot.readers > 1
+
+
+def _last_reader(slot: _SlotModel, _: int) -> bool:
+    return slot.readers == 1
+
+
+def _no_jobs(req: _RequestModel, _: int) -> bool:
+    return not req.has_jobs()
+
+
+def _pending_push_work(engine: _EngineModel, _: int) -> bool:
+    return engine.has_pending_push_work()
+
+
+def _no_pending_push_work(engine: _EngineModel, _: int) -> bool:
+    return not engine.has_pending_push_work()
+
+
+@functools.cache
+def job_machine(checked: bool | None = None) -> SpecMachine[JobState, JobEvent]:
+    return SpecMachine(
+        "job",
+        JobState,
+        JobEvent,
+        {
+            "worker_not_launched": _worker_not_launched,
+            "acks_still_pending": _acks_still_pending,
+            "ack_is_last": _ack_is_last,
+        },
+        checked=checked,
+    )
+
+
+@functools.cache
+def slot_machine(checked: bool | None = None) -> SpecMachine[SlotState, SlotEvent]:
+    return SpecMachine(
+        "slot",
+        SlotState,
+        SlotEvent,
+        {
+            "other_readers_remain": _other_readers_remain,
+            "last_reader": _last_reader,
+        },
+        checked=checked,
+    )
+
+
+@functools.cache
+def request_machine(checked: bool | None = None) -> SpecMachine[RequestState, RequestEvent]:
+    return SpecMachine("request", RequestState, RequestEvent, {"no_jobs": _no_jobs}, checked=checked)
+
+
+@functools.cache
+def engine_machine() -> SpecMachine[EngineState, EngineEvent]:
+    """The engine machine always runs through transitions (checked): one instance, a few fires a step."""
+    return SpecMachine(
+        "engine",
+        EngineState,
+        EngineEvent,
+        {
+            "pending_push_work": _pending_push_work,
+            "no_pending_push_work": _no_pending_push_work,
+        },
+        checked=True,
+    )
