@@ -28,6 +28,7 @@ class _JobModel(Protocol):
     state: JobState
     pending: int
     launched_mask: int
+    failed_reports: int
 
 
 class _SlotModel(Protocol):
@@ -57,6 +58,14 @@ def _acks_still_pending(job: _JobModel, count: int) -> bool:
 
 def _ack_is_last(job: _JobModel, count: int) -> bool:
     return count == job.pending
+
+
+def _last_ack_clean(job: _JobModel, count: int) -> bool:
+    return count == job.pending and job.failed_reports == 0
+
+
+def _last_ack_after_failure(job: _JobModel, count: int) -> bool:
+    return count == job.pending and job.failed_reports > 0
 
 
 def _other_readers_remain(slot: _SlotModel, _: int) -> bool:
@@ -89,6 +98,8 @@ def job_machine(checked: bool | None = None) -> SpecMachine[JobState, JobEvent]:
             "worker_not_launched": _worker_not_launched,
             "acks_still_pending": _acks_still_pending,
             "ack_is_last": _ack_is_last,
+            "last_ack_clean": _last_ack_clean,
+            "last_ack_after_failure": _last_ack_after_failure,
         },
         checked=checked,
     )

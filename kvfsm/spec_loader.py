@@ -85,6 +85,14 @@ def _read(name: str) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError as exc:
         raise SpecError(f"spec table {path} is missing") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"spec table {path} is not valid TOML: {exc}") from exc
+
+
+def _require(row: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise SpecError(f"{where}: missing required key(s) {missing}")
 
 
 def _as_list(value: object, where: str) -> list[str]:
@@ -101,12 +109,18 @@ def load_machine(name: str) -> MachineSpec:
     if name not in MACHINE_NAMES:
         raise SpecError(f"unknown machine {name!r}; expected one of {MACHINE_NAMES}")
     raw = _read(name)
-    states = tuple(raw["states"])
+    _require(raw, ("name", "description", "initial", "states"), f"spec/{name}.toml")
+    if raw["name"] != name:
+        raise SpecError(f"spec/{name}.toml: name is {raw['name']!r}, expected {name!r}")
+    states = tuple(_as_list(raw["states"], f"spec/{name}.toml states"))
+    if len(set(states)) != len(states):
+        raise SpecError(f"spec/{name}.toml: duplicate state in {states}")
     guards = dict(raw.get("guards", {}))
     effects = dict(raw.get("effects", {}))
     transitions: list[TransitionSpec] = []
     for i, row in enumerate(raw.get("transitions", [])):
         where = f"spec/{name}.toml transition #{i}"
+        _require(row, ("event", "source", "dest"), where)
         for source in _as_list(row["source"], where):
             t = TransitionSpec(row["event"], source, row["dest"], row.get("guard"), row.get("effect"))
             for state in (t.source, t.dest):
@@ -120,13 +134,22 @@ def load_machine(name: str) -> MachineSpec:
     initial = raw["initial"]
     if initial not in states:
         raise SpecError(f"spec/{name}.toml: initial state {initial!r} is not in states")
+    terminal = frozenset(_as_list(raw.get("terminal", []), f"spec/{name}.toml terminal"))
+    if not terminal <= set(states):
+        extra_terminal = sorted(terminal - set(states))
+        raise SpecError(f"spec/{name}.toml: terminal states {extra_terminal} are not in states")
+    for t in transitions:
+        if t.source in terminal:
+            raise SpecError(
+                f"spec/{name}.toml: terminal state {t.source!r} has an outgoing {t.event!r} transition"
+            )
     known = {"name", "description", "initial", "states", "terminal", "guards", "effects", "transitions"}
     return MachineSpec(
         name=raw["name"],
         description=raw["description"],
         initial=initial,
         states=states,
-        terminal=frozenset(raw.get("terminal", [])),
+        terminal=terminal,
         guards=guards,
         effects=effects,
         transitions=tuple(transitions),
@@ -138,7 +161,8 @@ def load_machine(name: str) -> MachineSpec:
 def load_invariants() -> tuple[InvariantSpec, ...]:
     raw = _read("invariants")
     out = []
-    for row in raw["invariant"]:
+    for i, row in enumerate(raw.get("invariant", [])):
+        _require(row, ("name", "title", "prose", "machines"), f"spec/invariants.toml invariant #{i}")
         machines = tuple(row["machines"])
         for m in machines:
             if m not in MACHINE_NAMES:

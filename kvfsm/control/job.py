@@ -18,6 +18,7 @@ class Job:
     """
 
     __slots__ = (
+        "failed_reports",
         "gpu",
         "job_id",
         "keys",
@@ -51,6 +52,7 @@ class Job:
         self.world_size = world_size
         self.pending = world_size
         self.launched_mask = 0
+        self.failed_reports = 0
         self.state = JobState.SUBMITTED
         self.machine = machine if machine is not None else job_machine()
 
@@ -76,19 +78,32 @@ class Job:
         self.launched_mask |= 1 << rank
         return effect == "start_copy"
 
-    def ack(self, count: int) -> bool:
-        """Record ``count`` worker acks; True exactly once, when the last one commits the job."""
+    def _check_count(self, count: int, what: str) -> None:
         if self.state is JobState.IN_FLIGHT and not 0 < count <= self.pending:
             raise AckCountError(
-                f"job {self.job_id}: {count} acks reported but {self.pending} pending; "
+                f"job {self.job_id}: {count} {what} reported but {self.pending} pending; "
                 f"expected 1..{self.pending}"
             )
+
+    def ack(self, count: int = 1) -> str | None:
+        """Record ``count`` successful worker reports.
+
+        Returns the effect: "commit" exactly once when the W-th report arrives and all succeeded,
+        "release" when the W-th arrives after a failure, None while reports are still pending.
+        """
+        self._check_count(count, "acks")
         effect = self.machine.fire(self, JobEvent.ACK, count)
         self.pending -= count
-        return effect == "commit"
+        return effect
 
-    def fail(self) -> None:
-        self.machine.fire(self, JobEvent.FAIL)
+    def fail(self, count: int = 1) -> str | None:
+        """Record ``count`` failed worker reports; "release" once every worker has reported."""
+        if self.state is JobState.IN_FLIGHT:
+            self._check_count(count, "failures")
+        effect = self.machine.fire(self, JobEvent.FAIL, count)
+        self.pending = max(0, self.pending - count)
+        self.failed_reports += count
+        return effect
 
     def cancel(self) -> None:
         self.machine.fire(self, JobEvent.CANCEL)

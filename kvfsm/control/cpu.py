@@ -1,0 +1,401 @@
+"""The CPU primary tier's bookkeeping (vLLM's ``CPUOffloadingManager``), driven by the slot machine.
+
+Every held key has one :class:`Slot` whose state moves only through ``slot_machine().fire``. vLLM's
+reference count is a view of it: writing = -1, ready = 0, reading = number of readers. A key that is not
+held has no Slot at all (it is absent). The policy holds exactly the ready and reading keys; ready ones
+are its evictable ones. Every count is kept incrementally, so each call costs O(keys it is given) plus
+O(victims) when it evicts; only :meth:`CPUOffloadingManager.reset_cache` visits every slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from dataclasses import dataclass
+
+from kvfsm.control.manager import OffloadingManager
+from kvfsm.control.policies import CachePolicy, make_policy
+from kvfsm.control.types import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+)
+from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
+from kvfsm.fsm import SpecMachine
+from kvfsm.machines import slot_machine
+from kvfsm.states import SlotEvent, SlotState
+
+__all__ = ["CPUOffloadingManager", "Slot"]
+
+_EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
+_READABLE = (SlotState.READY, SlotState.READING)
+
+
+def _show(key: OffloadKey) -> str:
+    return key.hex() if len(key) <= 40 else key[:20].hex() + "..."
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One held key: its CPU slot and its slot-machine state (only the machine assigns ``state``)."""
+
+    key: OffloadKey
+    slot_id: int
+    state: SlotState = SlotState.ABSENT
+    readers: int = 0
+
+    @property
+    def ref_cnt(self) -> int:
+        if self.state is SlotState.WRITING:
+            return -1
+        return self.readers
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """``num_slots`` CPU slots with an eviction policy; GPU stores/loads and tier promotions/cascades."""
+
+    __slots__ = (
+        "_events",
+        "_free_ids",
+        "_machine",
+        "_medium",
+        "_next_id",
+        "_num_reading",
+        "_num_ready",
+        "_num_slots",
+        "_num_writing",
+        "_policy",
+        "_slots",
+        "_stats",
+        "enable_events",
+    )
+
+    def __init__(
+        self,
+        num_slots: int,
+        policy: str = "lru",
+        *,
+        medium: str = "CPU",
+        enable_events: bool = True,
+        checked: bool | None = None,
+    ) -> None:
+        if num_slots < 1:
+            raise ConfigError(f"CPU tier needs at least one slot, got num_slots={num_slots}; expected >= 1")
+        self._num_slots = num_slots
+        self._policy: CachePolicy = make_policy(policy, capacity=num_slots)
+        self._medium = medium
+        self.enable_events = enable_events
+        self._machine: SpecMachine[SlotState, SlotEvent] = slot_machine(checked)
+        self._slots: dict[OffloadKey, Slot] = {}
+        # Allocator: a bump pointer over never-used ids, then a stack of freed ones.
+        self._next_id = 0
+        self._free_ids: list[int] = []
+        self._num_writing = 0
+        self._num_ready = 0
+        self._num_reading = 0
+        self._events: list[OffloadingEvent] = []
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "hits",
+                "misses",
+                "hit_pending",
+                "evictions",
+                "stores_committed",
+                "stores_failed",
+                "promotions_committed",
+                "promotions_failed",
+            ),
+            0,
+        )
+
+    # -- introspection --
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self._num_slots - len(self._slots)
+
+    @property
+    def num_writing(self) -> int:
+        return self._num_writing
+
+    @property
+    def num_reading(self) -> int:
+        """Slots with at least one reader."""
+        return self._num_reading
+
+    @property
+    def num_evictable(self) -> int:
+        """Ready slots (ref 0): the only ones eviction may take."""
+        return self._num_ready
+
+    @property
+    def medium(self) -> str:
+        return self._medium
+
+    @property
+    def policy(self) -> CachePolicy:
+        return self._policy
+
+    @property
+    def machine(self) -> SpecMachine[SlotState, SlotEvent]:
+        return self._machine
+
+    def slot_state(self, key: OffloadKey) -> SlotState:
+        slot = self._slots.get(key)
+        return SlotState.ABSENT if slot is None else slot.state
+
+    def ref_cnt(self, key: OffloadKey) -> int | None:
+        slot = self._slots.get(key)
+        return None if slot is None else slot.ref_cnt
+
+    def slot_id(self, key: OffloadKey) -> int | None:
+        slot = self._slots.get(key)
+        return None if slot is None else slot.slot_id
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self._stats,
+            "num_slots": self._num_slots,
+            "used": len(self._slots),
+            "writing": self._num_writing,
+            "ready": self._num_ready,
+            "reading": self._num_reading,
+        }
+
+    # -- OffloadingManager --
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        self._stats["lookups"] += 1
+        slot = self._slots.get(key)
+        if slot is None:
+            self._stats["misses"] += 1
+            return LookupResult.MISS
+        if slot.state is SlotState.WRITING:
+            self._stats["hit_pending"] += 1
+            return LookupResult.HIT_PENDING
+        self._stats["hits"] += 1
+        return LookupResult.HIT
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
+        return self.prepare_read(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.complete_read(keys)
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        new_keys: list[OffloadKey] = []
+        seen: set[OffloadKey] = set()
+        protected: set[OffloadKey] = set()
+        for key in keys:
+            if key in self._slots:
+                protected.add(key)  # held in any state: not re-stored, and not evicted by this call
+            elif key not in seen:
+                seen.add(key)
+                new_keys.append(key)
+        if not new_keys:
+            return _EMPTY_STORE
+        reserved = self._reserve(new_keys, protected)
+        if reserved is None:
+            return None
+        slot_ids, evicted = reserved
+        return PrepareStoreOutput(tuple(new_keys), SlotSpec(slot_ids), evicted)
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent)."""
+        writing = [k for k in dict.fromkeys(keys) if self.slot_state(k) is SlotState.WRITING]
+        self._finish_writes(writing, success, "stores")
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self._policy.touch(keys)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop everything: RESET every slot, then clear the policy, the allocator and the counts.
+
+        Safe only because callers guarantee no pre-reset transfer still touches a slot (stale job ids,
+        loads flushed before new stores; tiering drains its tiers first).
+        """
+        fire = self._machine.fire
+        for slot in self._slots.values():
+            fire(slot, SlotEvent.RESET)
+            slot.readers = 0
+        self._slots.clear()
+        self._policy.clear()
+        self._next_id = 0
+        self._free_ids.clear()
+        self._num_writing = self._num_ready = self._num_reading = 0
+
+    # -- tier side (CPU primary of a tiering manager) --
+
+    def prepare_write(self, keys: Sequence[OffloadKey]) -> SlotSpec | None:
+        """Reserve writing slots for absent keys (a promotion); None when they cannot fit now.
+
+        Every key must be absent and listed once (InvalidTransition otherwise, nothing changed).
+        """
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            if key in self._slots or key in seen:
+                state = self.slot_state(key)
+                raise InvalidTransition(
+                    "slot",
+                    str(state),
+                    str(SlotEvent.BEGIN_WRITE),
+                    f"key {_show(key)} is {'listed twice' if key in seen else 'already held'}; "
+                    "prepare_write expects distinct absent keys",
+                )
+            seen.add(key)
+        if not keys:
+            return SlotSpec(())
+        reserved = self._reserve(list(keys), frozenset())
+        return None if reserved is None else SlotSpec(reserved[0])
+
+    def complete_write(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """Finish a promotion: writing -> ready (success) or absent. Every key must be writing."""
+        unique = list(dict.fromkeys(keys))
+        for key in unique:
+            state = self.slot_state(key)
+            if state is not SlotState.WRITING:
+                event = SlotEvent.COMMIT_WRITE if success else SlotEvent.ABORT_WRITE
+                raise InvalidTransition(
+                    "slot", str(state), str(event), f"key {_show(key)} is not being written; expected writing"
+                )
+        self._finish_writes(unique, success, "promotions")
+
+    def prepare_read(self, keys: Sequence[OffloadKey]) -> SlotSpec:
+        """Pin readable keys (ready or reading) until :meth:`complete_read`; one reader per listing."""
+        slots = self._slots
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None or slot.state not in _READABLE:
+                state = SlotState.ABSENT if slot is None else slot.state
+                raise KeyNotReadyError(
+                    f"cannot read key {_show(key)} from {self._medium}: its slot is {state.value}; "
+                    "expected ready or reading"
+                )
+        fire = self._machine.fire
+        policy = self._policy
+        ids: list[int] = []
+        for key in keys:
+            slot = slots[key]
+            if slot.state is SlotState.READY:
+                # 0 -> 1 reader: eviction must not take it until the last reader is done.
+                policy.mark_non_evictable(key)
+                self._num_ready -= 1
+                self._num_reading += 1
+            fire(slot, SlotEvent.BEGIN_READ)
+            slot.readers += 1
+            ids.append(slot.slot_id)
+        return SlotSpec(tuple(ids))
+
+    def complete_read(self, keys: Sequence[OffloadKey]) -> None:
+        """Unpin keys pinned by :meth:`prepare_read` (once per listing); the last reader makes it ready."""
+        counts: dict[OffloadKey, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in counts.items():
+            slot = self._slots.get(key)
+            if slot is None or slot.state is not SlotState.READING or slot.readers < n:
+                state = SlotState.ABSENT if slot is None else slot.state
+                readers = 0 if slot is None else slot.readers
+                raise InvalidTransition(
+                    "slot",
+                    str(state),
+                    str(SlotEvent.END_READ),
+                    f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
+                    "expected a reading slot with at least that many readers",
+                )
+        fire = self._machine.fire
+        for key in keys:
+            slot = self._slots[key]
+            fire(slot, SlotEvent.END_READ)  # the guard reads ``readers`` before it drops
+            slot.readers -= 1
+            if slot.state is SlotState.READY:
+                self._policy.mark_evictable(key)
+                self._num_reading -= 1
+                self._num_ready += 1
+
+    # -- internals --
+
+    def _reserve(
+        self, new_keys: list[OffloadKey], protected: Set[OffloadKey]
+    ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
+        """Evict what is needed, then BEGIN_WRITE a slot per (absent, distinct) key; None if it can't fit."""
+        need = len(new_keys) - self.num_free
+        victims: list[OffloadKey] = []
+        if need > 0:
+            if need > self._num_ready:
+                return None
+            chosen = self._policy.evict(need, protected)
+            if chosen is None:
+                return None
+            victims = chosen
+            self._evict(victims)
+        fire = self._machine.fire
+        ids: list[int] = []
+        for key in new_keys:
+            slot = Slot(key, self._alloc_id())
+            fire(slot, SlotEvent.BEGIN_WRITE)
+            self._slots[key] = slot
+            ids.append(slot.slot_id)
+        self._num_writing += len(new_keys)
+        return tuple(ids), tuple(victims)
+
+    def _evict(self, victims: list[OffloadKey]) -> None:
+        """Victims already left the policy; free their slots and report them removed."""
+        fire = self._machine.fire
+        removed: list[OffloadKey] = []
+        for key in victims:
+            slot = self._slots.pop(key)
+            if fire(slot, SlotEvent.EVICT) == "emit_removed":
+                removed.append(key)
+            self._free_ids.append(slot.slot_id)
+        self._num_ready -= len(victims)
+        self._stats["evictions"] += len(victims)
+        if removed and self.enable_events:
+            self._events.append(OffloadingEvent(tuple(removed), self._medium, removed=True))
+
+    def _finish_writes(self, writing: list[OffloadKey], success: bool, counter: str) -> None:
+        """``writing`` holds distinct keys, all in the writing state; ``counter`` names the stats pair."""
+        if not writing:
+            return
+        fire = self._machine.fire
+        if success:
+            stored: list[OffloadKey] = []
+            for key in writing:
+                if fire(self._slots[key], SlotEvent.COMMIT_WRITE) == "emit_stored":
+                    stored.append(key)
+                self._policy.insert(key, evictable=True)
+            self._num_ready += len(writing)
+            self._stats[f"{counter}_committed"] += len(writing)
+            if stored and self.enable_events:
+                self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
+        else:
+            for key in writing:
+                slot = self._slots.pop(key)
+                fire(slot, SlotEvent.ABORT_WRITE)
+                self._free_ids.append(slot.slot_id)
+            self._stats[f"{counter}_failed"] += len(writing)
+        self._num_writing -= len(writing)
+
+    def _alloc_id(self) -> int:
+        if self._free_ids:
+            return self._free_ids.pop()
+        slot_id = self._next_id
+        self._next_id += 1
+        return slot_id

@@ -1,0 +1,128 @@
+"""The manager and secondary-tier protocols (vLLM's ``kv_offload/base.py`` and ``tiering/base.py``).
+
+Both run in the scheduler process: every method must be cheap and must never block on a transfer.
+``has_pending_work()`` defaults to False; a manager or tier returns True only while it needs the engine
+to keep stepping (it has jobs that a later poll will complete).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvfsm.control.types import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+)
+
+__all__ = ["JobResult", "OffloadingManager", "SecondaryTier", "TierJob"]
+
+
+class OffloadingManager(ABC):
+    """Bookkeeping of what is offloaded, where, and whether it is readable."""
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult: ...
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
+        """Pin ready keys for reading until ``complete_load``; raise KeyNotReadyError otherwise."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None: ...
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve slots (writing) for keys not yet held; None when they cannot fit now."""
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None: ...
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """Mark keys recently used."""
+
+    def on_new_request(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """A request starts; the manager may keep per-request state."""
+
+    def on_request_finished(self, ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """No more prepare_store/prepare_load for this request; completions may still follow."""
+
+    def on_schedule_end(self) -> None:  # noqa: B027 - optional hook
+        """Called once per step, after scheduling: poll tiers and flush deferred work."""
+
+    def has_pending_work(self) -> bool:
+        """True while the manager needs the engine to keep stepping. Default: never."""
+        return False
+
+    @abstractmethod
+    def take_events(self) -> list[OffloadingEvent]: ...
+
+    @abstractmethod
+    def reset_cache(self) -> None: ...
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierJob:
+    """A primary <-> secondary transfer: a cascade (primary -> tier) or a promotion (tier -> primary)."""
+
+    job_id: int
+    keys: tuple[OffloadKey, ...]
+    slot_ids: tuple[int, ...]
+    is_promotion: bool
+    req_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job_id: int
+    success: bool
+
+
+class SecondaryTier(ABC):
+    """A tier below the CPU primary. Data always passes through the primary."""
+
+    name: str = "secondary"
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """HIT, MISS or RETRY (answer not known yet); never blocks."""
+
+    @abstractmethod
+    def submit_store(self, job: TierJob) -> None:
+        """Start copying the job's primary slots (pinned until it finishes) into the tier."""
+
+    @abstractmethod
+    def submit_load(self, job: TierJob) -> None:
+        """Start copying the keys into the job's primary slots (reserved, writing)."""
+
+    @abstractmethod
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Jobs that finished since the last call, each reported exactly once."""
+
+    def has_pending_work(self) -> bool:
+        """True while the tier has work of its own (beyond submitted jobs) that needs steps."""
+        return False
+
+    @abstractmethod
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished; used only by reset_cache and shutdown."""
+
+    def on_schedule_end(self) -> None:  # noqa: B027 - optional hook
+        """Once per step."""
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:  # noqa: B027 - optional hook
+        """Recency hint."""
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return []
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""

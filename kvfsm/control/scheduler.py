@@ -1,0 +1,589 @@
+"""The connector's scheduler half: plans load and store jobs, tracks them to commit, never waits.
+
+Sans-IO: it talks to an :class:`OffloadingManager` and returns :class:`ConnectorMetadata`; the workers
+run the copies and their summed :class:`WorkerOutput` comes back through ``update_connector_output``.
+Method names follow vLLM's ``OffloadingConnectorScheduler`` so that its users feel at home.
+
+The engine contract (spec/README.md, "the drain"): while ``has_pending_push_work()`` is True the engine
+keeps stepping, so ``build_connector_meta`` and ``update_connector_output`` keep running with nothing
+scheduled. No method here blocks; a fence or preemption flush is a *request* to the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvfsm.control.config import DrainMode, OffloadConfig
+from kvfsm.control.job import Job
+from kvfsm.control.manager import OffloadingManager
+from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
+from kvfsm.control.types import (
+    GPUBlockSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    SlotSpec,
+    make_offload_key,
+)
+from kvfsm.errors import (
+    AckCountError,
+    DuplicateRequestError,
+    KvfsmError,
+    UnknownJobError,
+    UnknownRequestError,
+)
+from kvfsm.fsm import SpecMachine
+from kvfsm.machines import job_machine, request_machine
+from kvfsm.states import JobKind, JobState, RequestEvent, RequestState
+
+__all__ = [
+    "OffloadRequest",
+    "OffloadingScheduler",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+class OffloadRequest(Protocol):
+    """What the scheduler half reads of an engine request."""
+
+    @property
+    def req_id(self) -> str: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...  # one chained hash per full GPU block
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def is_aborted(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    req_id: str
+    new_block_ids: tuple[int, ...]
+    num_scheduled_tokens: int
+    #: True when the request was (re-)admitted this step: its block list restarts from ``new_block_ids``.
+    admitted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The engine scheduler's decisions for one step, as the connector needs them."""
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    preempted_req_ids: frozenset[str] = frozenset()
+    #: Every GPU block handed out this step (new blocks, load destinations, copy-on-write targets).
+    allocated_block_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    load_jobs: int = 0
+    store_jobs: int = 0
+    committed_stores: int = 0
+    committed_loads: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+    allocation_failures: int = 0
+    fence_flushes: int = 0
+    preemption_flushes: int = 0
+    stale_reports_ignored: int = 0
+    deferred_lookups: int = 0
+
+
+class _RequestState:
+    """The request machine's model, plus the connector's per-request bookkeeping."""
+
+    __slots__ = (
+        "block_ids",
+        "ctx",
+        "jobs",
+        "load_job",
+        "next_stored_chunk",
+        "num_local_tokens",
+        "request",
+        "state",
+    )
+
+    def __init__(self, request: OffloadRequest) -> None:
+        self.request = request
+        self.ctx = ReqContext(request.req_id)
+        self.state = RequestState.TRACKED
+        self.block_ids: list[int] = []
+        self.jobs: set[int] = set()
+        self.load_job: int | None = None
+        self.next_stored_chunk = 0
+        self.num_local_tokens = 0
+
+    def has_jobs(self) -> bool:
+        return bool(self.jobs)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Per-step accumulators, emptied by every build_connector_meta."""
+
+    loads: dict[int, Job] = field(default_factory=dict)
+    flush: set[int] = field(default_factory=set)
+    allocated: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.flush or self.allocated)
+
+
+class OffloadingScheduler:
+    """vLLM's OffloadingConnectorScheduler, over the spec's job and request machines."""
+
+    def __init__(
+        self, config: OffloadConfig, manager: OffloadingManager, *, checked: bool | None = None
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self._job_machine = job_machine(checked)
+        self._req_machine: SpecMachine[RequestState, RequestEvent] = request_machine(checked)
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, Job] = {}
+        self._job_counter = 0
+        self._stale_threshold = 0
+        self._fences: dict[int, set[int]] = {}  # GPU block id -> uncommitted store jobs reading it
+        self._job_fence_blocks: dict[int, tuple[int, ...]] = {}  # store job -> its fenced blocks
+        self._chunks_being_loaded: set[OffloadKey] = set()
+        self._batch = _Batch()
+        self._reset_flush: set[int] = set()
+        self._events: list[OffloadingEvent] = []
+        self._load_errors: dict[str, tuple[int, ...]] = {}
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ queries
+
+    def has_pending_push_work(self) -> bool:
+        """True while any job is unfinished or the manager has pending work. O(1)."""
+        return bool(self._jobs) or self.manager.has_pending_work()
+
+    def request_state(self, req_id: str) -> RequestState:
+        st = self._requests.get(req_id)
+        return RequestState.DELETED if st is None else st.state
+
+    def is_tracked(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def jobs(self) -> dict[int, Job]:
+        """Every job still awaited (a copy)."""
+        return dict(self._jobs)
+
+    def job(self, job_id: int) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def request_jobs(self, req_id: str) -> frozenset[int]:
+        st = self._requests.get(req_id)
+        return frozenset() if st is None else frozenset(st.jobs)
+
+    def fenced_blocks(self) -> dict[int, frozenset[int]]:
+        return {b: frozenset(j) for b, j in self._fences.items()}
+
+    def chunks_being_loaded(self) -> frozenset[OffloadKey]:
+        return frozenset(self._chunks_being_loaded)
+
+    @property
+    def stale_threshold(self) -> int:
+        return self._stale_threshold
+
+    @property
+    def job_counter(self) -> int:
+        return self._job_counter
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events = self._events + self.manager.take_events()
+        self._events = []
+        return events
+
+    def take_load_errors(self) -> dict[str, tuple[int, ...]]:
+        """GPU blocks of failed loads, per request: the engine must recompute them."""
+        errors, self._load_errors = self._load_errors, {}
+        return errors
+
+    # ------------------------------------------------------------------ helpers
+
+    def _keys(self, request: OffloadRequest) -> list[OffloadKey]:
+        """One key per full chunk: the hash of the chunk's last block."""
+        bpc = self.config.blocks_per_chunk
+        hashes = request.block_hashes
+        return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(hashes) // bpc)]
+
+    def _fire(self, st: _RequestState, event: RequestEvent) -> None:
+        effect = self._req_machine.fire(st, event)
+        if effect == "signal_manager":
+            self.manager.on_request_finished(st.ctx)
+
+    def _new_job(
+        self,
+        kind: JobKind,
+        st: _RequestState,
+        keys: tuple[OffloadKey, ...],
+        gpu: GPUBlockSpec,
+        slots: tuple[int, ...],
+    ) -> Job:
+        job = Job(
+            self._job_counter,
+            kind,
+            st.ctx.req_id,
+            keys,
+            gpu,
+            SlotSpec(slots),
+            self.config.world_size,
+            self._job_machine,
+        )
+        self._job_counter += 1
+        self._jobs[job.job_id] = job
+        st.jobs.add(job.job_id)
+        return job
+
+    def _fence(self, job_id: int, blocks: Iterable[int]) -> None:
+        fenced = tuple(dict.fromkeys(blocks))
+        self._job_fence_blocks[job_id] = fenced
+        for b in fenced:
+            self._fences.setdefault(b, set()).add(job_id)
+
+    def _unfence(self, job_id: int) -> None:
+        for b in self._job_fence_blocks.pop(job_id, ()):
+            jobs = self._fences.get(b)
+            if jobs is not None:
+                jobs.discard(job_id)
+                if not jobs:
+                    del self._fences[b]
+
+    # ------------------------------------------------------------------ admission
+
+    def on_new_request(self, request: OffloadRequest) -> None:
+        """Start tracking a request; a duplicate id is a typed error."""
+        if request.req_id in self._requests:
+            raise DuplicateRequestError(
+                f"request {request.req_id!r} is already tracked (state "
+                f"{self._requests[request.req_id].state.value}); expected a new request id"
+            )
+        self._requests[request.req_id] = _RequestState(request)
+        self.manager.on_new_request(ReqContext(request.req_id))
+
+    def get_num_new_matched_tokens(
+        self, request: OffloadRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond the GPU prefix cache that can be loaded: (None, False) means ask again later."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            self.on_new_request(request)
+            st = self._requests[request.req_id]
+        if st.state not in (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED):
+            raise KvfsmError(
+                f"request {request.req_id!r} is {st.state.value}; a lookup needs a waiting request "
+                "(tracked, deferred or preempted)"
+            )
+        st.block_ids = []
+        if st.jobs:
+            # Its own stores (flushed at preemption) are not acked yet: look up once they are.
+            self._defer(st)
+            return None, False
+        tpc = self.config.tokens_per_chunk
+        keys = self._keys(request)
+        first = num_computed_tokens // tpc
+        # The last prompt token is always recomputed (its logits are needed).
+        last_allowed = (request.num_tokens - 1) // tpc
+        hits = 0
+        must_wait = False
+        for idx in range(first, min(len(keys), last_allowed)):
+            result = self.manager.lookup(keys[idx], st.ctx)
+            if result is LookupResult.MISS:
+                break
+            if result is not LookupResult.HIT:
+                must_wait = True  # HIT_PENDING or RETRY: the chunk will be readable later
+                break
+            if keys[idx] in self._chunks_being_loaded:
+                must_wait = True  # another request loads it; this one hits the GPU prefix cache later
+                break
+            hits += 1
+        if must_wait:
+            self._defer(st)
+            return None, False
+        st.num_local_tokens = num_computed_tokens
+        if hits == 0:
+            return 0, False
+        num_external = (first + hits) * tpc - num_computed_tokens
+        return num_external, num_external > 0
+
+    def _defer(self, st: _RequestState) -> None:
+        self._fire(st, RequestEvent.DEFER)
+        self.stats.deferred_lookups += 1
+
+    def update_state_after_alloc(
+        self, request: OffloadRequest, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """The engine allocated ``block_ids`` (all of the request's blocks); plan its load if any."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            raise UnknownRequestError(
+                f"request {request.req_id!r} is not tracked; call get_num_new_matched_tokens first"
+            )
+        # Blocks past the local prefix are fresh: writing them must not race a fenced store.
+        fresh = block_ids[st.num_local_tokens // self.config.tokens_per_block :]
+        if num_external_tokens == 0:
+            self._fire(st, RequestEvent.SCHEDULE)
+            st.block_ids = list(block_ids)
+            self._batch.allocated.update(fresh)
+            return
+        tpb, bpc = self.config.tokens_per_block, self.config.blocks_per_chunk
+        first_block = st.num_local_tokens // tpb
+        end_block = (st.num_local_tokens + num_external_tokens) // tpb
+        if end_block > len(block_ids) or end_block % bpc:
+            raise KvfsmError(
+                f"request {request.req_id!r}: {num_external_tokens} external tokens after "
+                f"{st.num_local_tokens} local ones need whole chunks within {len(block_ids)} blocks"
+            )
+        keys = tuple(self._keys(request)[first_block // bpc : end_block // bpc])
+        if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
+            raise KvfsmError(
+                f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load"
+            )
+        slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
+        self._fire(st, RequestEvent.START_LOAD)
+        st.block_ids = list(block_ids)
+        self._batch.allocated.update(fresh)
+        gpu = GPUBlockSpec(tuple(block_ids[first_block:end_block]), first_block % bpc)
+        job = self._new_job(JobKind.LOAD, st, keys, gpu, slots.slot_ids)
+        st.load_job = job.job_id
+        st.next_stored_chunk = end_block // bpc  # chunk-level: the loaded chunks are not stored again
+        self._chunks_being_loaded.update(keys)
+        self._batch.loads[job.job_id] = job
+        self.stats.load_jobs += 1
+
+    # ------------------------------------------------------------------ per step
+
+    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
+        """Plan this step's stores and flushes. Never waits for a transfer."""
+        batch = self._batch
+        batch.allocated.update(output.allocated_block_ids)
+        for sched in output.scheduled:
+            st = self._requests.get(sched.req_id)
+            if st is None:
+                raise UnknownRequestError(
+                    f"scheduled request {sched.req_id!r} is not tracked by the connector"
+                )
+            if sched.admitted:
+                st.block_ids = list(sched.new_block_ids)  # fresh ones are in allocated_block_ids
+            else:
+                st.block_ids.extend(sched.new_block_ids)
+                batch.allocated.update(sched.new_block_ids)
+
+        self.manager.on_schedule_end()
+
+        for req_id in output.preempted_req_ids:
+            st = self._requests.get(req_id)
+            if st is None:
+                continue
+            if st.jobs:
+                self.stats.preemption_flushes += 1
+                batch.flush.update(st.jobs)
+            st.block_ids = []
+            self._fire(st, RequestEvent.PREEMPT)
+
+        for block in batch.allocated:
+            jobs = self._fences.get(block)
+            if jobs:
+                self.stats.fence_flushes += 1
+                batch.flush.update(jobs)
+
+        new_stores: dict[int, Job] = {}
+        scheduled_tokens = {s.req_id: s.num_scheduled_tokens for s in output.scheduled}
+        finished: list[_RequestState] = []
+        for st in list(self._requests.values()):
+            if st.state is RequestState.FINISHED_UNSIGNALLED:
+                finished.append(st)
+                self._plan_stores(st, None, new_stores)
+            elif st.ctx.req_id in scheduled_tokens and st.state is RequestState.RUNNING:
+                self._plan_stores(st, scheduled_tokens[st.ctx.req_id], new_stores)
+
+        for st in finished:
+            self._fire(st, RequestEvent.SIGNAL)
+            if not st.jobs:
+                self._delete(st)
+
+        if self.config.drain is DrainMode.BLOCKING and not any(
+            s.state not in (RequestState.FINISHED_SIGNALLED, RequestState.FINISHED_UNSIGNALLED)
+            for s in self._requests.values()
+        ):
+            # The pre-#45595 baseline: no live request left, so flush everything now (blocking).
+            batch.flush.update(self._jobs)
+
+        flush = frozenset(batch.flush | self._reset_flush)
+        meta = ConnectorMetadata(load_jobs=dict(batch.loads), store_jobs=new_stores, jobs_to_flush=flush)
+        self._reset_flush = set()
+        self._batch = _Batch()
+        return meta
+
+    def _plan_stores(self, st: _RequestState, num_scheduled: int | None, out: dict[int, Job]) -> None:
+        request = st.request
+        tpc, bpc = self.config.tokens_per_chunk, self.config.blocks_per_chunk
+        if num_scheduled is None:  # finished
+            horizon = (
+                request.num_computed_tokens
+                if request.is_aborted
+                # The last sampled token's KV is never written, so it cannot complete a chunk.
+                else max(request.num_prompt_tokens, request.num_tokens - 1)
+            )
+            horizon = min(horizon, request.num_computed_tokens)
+        else:
+            horizon = request.num_computed_tokens + num_scheduled
+        if self.config.offload_prompt_only:
+            horizon = min(horizon, request.num_prompt_tokens)
+        keys = self._keys(request)
+        storable = min(horizon // tpc, len(st.block_ids) // bpc, len(keys))
+        start = st.next_stored_chunk
+        if storable <= start:
+            return
+        candidates = keys[start:storable]
+        prepared = self.manager.prepare_store(candidates, st.ctx)
+        if prepared is None:
+            self.stats.allocation_failures += 1  # retried next step, including the finishing one
+            return
+        st.next_stored_chunk = storable
+        if not prepared.keys_to_store:
+            return
+        index = {k: start + i for i, k in enumerate(candidates)}
+        blocks: list[int] = []
+        for key in prepared.keys_to_store:
+            c = index[key]
+            blocks.extend(st.block_ids[c * bpc : (c + 1) * bpc])
+        gpu = GPUBlockSpec(tuple(blocks), 0)
+        job = self._new_job(JobKind.STORE, st, prepared.keys_to_store, gpu, prepared.store_spec.slot_ids)
+        self.stats.store_jobs += 1
+        out[job.job_id] = job
+        if st.state is RequestState.FINISHED_UNSIGNALLED:
+            # The request's blocks are already free: fence now and flush if reused this very step.
+            self._fence(job.job_id, blocks)
+            if self._batch.allocated.intersection(blocks):
+                self.stats.fence_flushes += 1
+                self._batch.flush.add(job.job_id)
+
+    def update_connector_output(self, output: WorkerOutput) -> None:
+        """Apply the workers' summed reports. Validates everything before changing anything."""
+        threshold = self._stale_threshold
+        for reports, what in ((output.completed, "acks"), (output.failed, "failures")):
+            for job_id, count in reports.items():
+                if job_id < threshold:
+                    continue
+                job = self._jobs.get(job_id)
+                if job is None:
+                    raise UnknownJobError(
+                        f"worker reported {what} for job {job_id}, which is not awaited "
+                        f"(ids {threshold}..{self._job_counter - 1} are current)"
+                    )
+                total = count + (output.completed.get(job_id, 0) if what == "failures" else 0)
+                if count < 1 or total > job.pending:
+                    raise AckCountError(
+                        f"job {job_id}: {total} reports but {job.pending} pending; expected 1..{job.pending}"
+                    )
+        for job_id, count in output.failed.items():
+            if job_id < threshold:
+                self.stats.stale_reports_ignored += 1
+                continue
+            job = self._jobs[job_id]
+            self._finish(job, job.fail(count))
+        for job_id, count in output.completed.items():
+            if job_id < threshold:
+                self.stats.stale_reports_ignored += 1
+                continue
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue  # finished above by a failure report in the same output
+            self._finish(job, job.ack(count))
+
+    def _finish(self, job: Job, effect: str | None) -> None:
+        if effect is None:
+            return
+        st = self._requests.get(job.req_id)
+        ctx = st.ctx if st is not None else ReqContext(job.req_id)
+        ok = effect == "commit"
+        if job.kind is JobKind.STORE:
+            self.manager.complete_store(job.keys, ctx, success=ok)
+            if ok:
+                self.stats.committed_stores += 1
+            else:
+                self.stats.failed_stores += 1
+        else:
+            self.manager.complete_load(job.keys, ctx)
+            self._chunks_being_loaded.difference_update(job.keys)
+            if ok:
+                self.stats.committed_loads += 1
+            else:
+                self.stats.failed_loads += 1
+                self._load_errors[job.req_id] = job.gpu.block_ids
+        self._unfence(job.job_id)
+        del self._jobs[job.job_id]
+        if st is None:
+            return
+        st.jobs.discard(job.job_id)
+        if job.kind is JobKind.LOAD:
+            st.load_job = None
+            if st.state is RequestState.LOADING:
+                self._fire(st, RequestEvent.LOAD_DONE)
+        if st.state is RequestState.FINISHED_SIGNALLED and not st.jobs:
+            self._delete(st)
+
+    def _delete(self, st: _RequestState) -> None:
+        self._fire(st, RequestEvent.DELETE)
+        del self._requests[st.ctx.req_id]
+
+    def request_finished(self, request: OffloadRequest) -> bool:
+        """The engine finished or aborted the request; its GPU blocks are freed at once (returns False)."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            ctx = ReqContext(request.req_id)
+            self.manager.on_new_request(ctx)
+            self.manager.on_request_finished(ctx)
+            return False
+        st.request = request
+        self._fire(st, RequestEvent.FINISH)
+        for job_id in st.jobs:
+            job = self._jobs[job_id]
+            if job.kind is JobKind.STORE:
+                self._fence(job_id, job.gpu.block_ids)
+        return False
+
+    def reset_cache(self) -> None:
+        """Drop every offloaded block; in-flight jobs become stale and are flushed by the next step."""
+        if not self._batch.is_empty():
+            raise KvfsmError(
+                "reset_cache called mid-step (loads planned but not yet sent); call it between steps"
+            )
+        for job in self._jobs.values():
+            if job.state in (JobState.SUBMITTED, JobState.IN_FLIGHT):
+                job.discard()
+        self._reset_flush.update(self._jobs)
+        for st in list(self._requests.values()):
+            st.jobs.clear()
+            st.load_job = None
+            st.next_stored_chunk = 0
+            if st.state in (
+                RequestState.FINISHED_UNSIGNALLED,
+                RequestState.FINISHED_SIGNALLED,
+                RequestState.LOADING,
+            ):
+                self._fire(st, RequestEvent.RESET)
+            if st.state is RequestState.DELETED:
+                del self._requests[st.ctx.req_id]
+        self.manager.reset_cache()
+        self._stale_threshold = self._job_counter
+        self._jobs.clear()
+        self._fences.clear()
+        self._job_fence_blocks.clear()
+        self._chunks_being_loaded.clear()
+        self._events.clear()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

@@ -1,0 +1,573 @@
+"""Code and spec agree, checked in both directions.
+
+Rule 1 of spec/README.md: every state, event, guard and effect lives in spec/*.toml. These tests check
+that the enums, the registered guards, the effect names the code acts on, the invariant table and the
+README diagrams all match the tables, and that the loader and SpecMachine refuse to start when they do
+not.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvfsm
+import kvfsm.diagrams
+import kvfsm.spec_loader
+from kvfsm.diagrams import all_diagrams, main, mermaid, mermaid_for, readme_path, render_readme
+from kvfsm.errors import SpecError
+from kvfsm.fsm import SpecMachine, build_transitions_machine
+from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
+from kvfsm.spec_loader import (
+    MACHINE_NAMES,
+    MachineSpec,
+    TransitionSpec,
+    load_invariants,
+    load_machine,
+)
+from kvfsm.states import (
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobKind,
+    JobState,
+    RequestEvent,
+    RequestState,
+    SlotEvent,
+    SlotState,
+)
+
+ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum]]] = {
+    "job": (JobState, JobEvent),
+    "slot": (SlotState, SlotEvent),
+    "request": (RequestState, RequestEvent),
+    "engine": (EngineState, EngineEvent),
+}
+
+FACTORIES: dict[str, Callable[[], SpecMachine[Any, Any]]] = {
+    "job": job_machine,
+    "slot": slot_machine,
+    "request": request_machine,
+    "engine": engine_machine,
+}
+
+PACKAGE_DIR = Path(kvfsm.__file__).resolve().parent
+README = readme_path()
+
+
+def _spec_guards(name: str) -> dict[str, Callable[[Any, int], bool]]:
+    """The guard functions the real machine registered (read from the private attribute)."""
+    return dict(FACTORIES[name]()._guards)
+
+
+# --------------------------------------------------------------------------------------------------
+# States, events, kinds
+
+
+def test_every_machine_has_enums_and_a_factory() -> None:
+    assert set(ENUMS) == set(MACHINE_NAMES) == set(FACTORIES)
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_state_enum_equals_spec_states(name: str) -> None:
+    spec = load_machine(name)
+    state_enum, _ = ENUMS[name]
+    code = {s.value for s in state_enum}
+    assert code == set(spec.states), f"in code only: {code - set(spec.states)}; in spec only: " + str(
+        set(spec.states) - code
+    )
+    assert len(spec.states) == len(state_enum)
+    assert state_enum(spec.initial).value == spec.initial
+    assert spec.terminal <= code
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_event_enum_equals_spec_events(name: str) -> None:
+    spec = load_machine(name)
+    _, event_enum = ENUMS[name]
+    code = {e.value for e in event_enum}
+    assert code == set(spec.events), f"in code only: {code - set(spec.events)}; in spec only: " + str(
+        set(spec.events) - code
+    )
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_enum_member_names_follow_values(name: str) -> None:
+    for enum in ENUMS[name]:
+        for member in enum:
+            assert member.name == member.value.upper(), member
+
+
+def test_job_kind_equals_spec_kinds() -> None:
+    assert {k.value for k in JobKind} == set(load_machine("job").extra["kinds"])
+
+
+def test_job_terminal_constant_equals_spec() -> None:
+    from kvfsm.states import JOB_TERMINAL
+
+    assert {s.value for s in JOB_TERMINAL} == load_machine("job").terminal
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_machine_instances_carry_their_spec(name: str) -> None:
+    machine = FACTORIES[name]()
+    assert machine.spec == load_machine(name)
+    assert machine.events is ENUMS[name][1]
+
+
+def test_engine_machine_is_always_checked() -> None:
+    assert engine_machine().checked
+
+
+# --------------------------------------------------------------------------------------------------
+# Guards
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_registered_guards_equal_spec_guards(name: str) -> None:
+    registered = _spec_guards(name)
+    assert set(registered) == set(load_machine(name).guards)
+    assert all(callable(fn) for fn in registered.values())
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_every_declared_guard_and_effect_is_used_by_a_transition(name: str) -> None:
+    spec = load_machine(name)
+    assert {t.guard for t in spec.transitions if t.guard} == set(spec.guards)
+    assert {t.effect for t in spec.transitions if t.effect} == set(spec.effects)
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_guard_and_effect_names_are_disjoint_identifiers(name: str) -> None:
+    spec = load_machine(name)
+    assert not set(spec.guards) & set(spec.effects)
+    for word in (*spec.states, *spec.events, *spec.guards, *spec.effects):
+        assert word.isidentifier() and word == word.lower(), word
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_declared_guards_and_effects_have_prose(name: str) -> None:
+    spec = load_machine(name)
+    for text in (*spec.guards.values(), *spec.effects.values(), spec.description):
+        assert isinstance(text, str) and text.strip()
+
+
+# --------------------------------------------------------------------------------------------------
+# Effects: every effect name the code acts on is declared
+
+_EFFECT_NAME = re.compile(r"effect", re.IGNORECASE)
+
+
+def _names_effect(node: ast.expr) -> bool:
+    if isinstance(node, ast.Name):
+        return bool(_EFFECT_NAME.search(node.id))
+    if isinstance(node, ast.Attribute):
+        return bool(_EFFECT_NAME.search(node.attr))
+    return False
+
+
+def _string_constants(node: ast.expr) -> Iterator[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, ast.Set | ast.Tuple | ast.List):
+        for elt in node.elts:
+            yield from _string_constants(elt)
+
+
+def _pattern_constants(pattern: ast.pattern) -> Iterator[str]:
+    if isinstance(pattern, ast.MatchValue):
+        yield from _string_constants(pattern.value)
+    elif isinstance(pattern, ast.MatchOr):
+        for sub in pattern.patterns:
+            yield from _pattern_constants(sub)
+    elif isinstance(pattern, ast.MatchAs) and pattern.pattern is not None:
+        yield from _pattern_constants(pattern.pattern)
+
+
+def effect_literals(source: str) -> set[str]:
+    """String literals compared with anything named ``*effect*`` (``==``, ``!=``, ``in``, ``match``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for i, op in enumerate(node.ops):
+                if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
+                    continue
+                left, right = operands[i], operands[i + 1]
+                if _names_effect(left):
+                    found.update(_string_constants(right))
+                if _names_effect(right):
+                    found.update(_string_constants(left))
+        elif isinstance(node, ast.Match) and _names_effect(node.subject):
+            for case in node.cases:
+                found.update(_pattern_constants(case.pattern))
+    return found
+
+
+def _code_effect_literals() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        names = effect_literals(path.read_text(encoding="utf-8"))
+        if names:
+            out[str(path.relative_to(PACKAGE_DIR.parent))] = names
+    return out
+
+
+def _declared_effects() -> set[str]:
+    return {effect for name in MACHINE_NAMES for effect in load_machine(name).effects}
+
+
+def test_effect_scanner_finds_the_job_effects() -> None:
+    # Not vacuous: Job.launch / Job.ack compare against these two.
+    found = set().union(*_code_effect_literals().values())
+    assert {"start_copy", "commit"} <= found
+
+
+def test_every_effect_name_in_code_is_declared() -> None:
+    declared = _declared_effects()
+    undeclared = {path: names - declared for path, names in _code_effect_literals().items() if names - declared}
+    assert not undeclared, f"effect names used in code but not declared in spec/*.toml: {undeclared}"
+
+
+def test_effect_scanner_flags_undeclared_names() -> None:
+    source = """
+def run(effect, step):
+    if effect == "comit":
+        pass
+    if "start_copy" != effect:
+        pass
+    if step.effect in {"release", "evict_all"}:
+        pass
+    match effect:
+        case "emit_stored" | "emit_gone":
+            pass
+    if other == "not_an_effect":
+        pass
+"""
+    found = effect_literals(source)
+    assert found == {"comit", "start_copy", "release", "evict_all", "emit_stored", "emit_gone"}
+    assert found - _declared_effects() == {"comit", "evict_all", "emit_gone"}
+
+
+def test_only_shutdown_may_block_the_engine() -> None:
+    # The non-blocking drain (#45595): flush_all appears on shutdown rows and nowhere else.
+    spec = load_machine("engine")
+    blocking = {(t.source, t.event) for t in spec.transitions if t.effect == "flush_all"}
+    assert blocking
+    assert {event for _, event in blocking} == {"shutdown"}
+    into_idle = [t for t in spec.transitions if t.dest == "idle"]
+    assert into_idle and all(t.effect is None and t.guard == "no_pending_push_work" for t in into_idle)
+
+
+# --------------------------------------------------------------------------------------------------
+# Invariants
+
+
+def test_invariants_have_name_title_prose_and_machines() -> None:
+    invariants = load_invariants()
+    assert invariants
+    names = [inv.name for inv in invariants]
+    assert len(names) == len(set(names)), "invariant names must be unique"
+    for inv in invariants:
+        assert inv.name.isidentifier() and inv.name == inv.name.lower(), inv.name
+        assert inv.title.strip(), inv.name
+        assert inv.prose.strip(), inv.name
+        assert inv.machines and set(inv.machines) <= set(MACHINE_NAMES), inv.name
+
+
+def test_every_invariant_is_explained_in_the_readme() -> None:
+    text = README.read_text(encoding="utf-8")
+    for inv in load_invariants():
+        assert f"**{inv.name}**" in text, f"spec/README.md does not explain invariant {inv.name}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Diagrams
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_readme_has_one_marker_pair_per_machine(name: str) -> None:
+    text = README.read_text(encoding="utf-8")
+    assert text.count(f"<!-- diagram:{name}:start -->") == 1
+    assert text.count(f"<!-- diagram:{name}:end -->") == 1
+
+
+def test_readme_diagrams_are_up_to_date() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert render_readme(text) == text, "spec/README.md is stale: run python -m kvfsm.diagrams --write"
+    for name, diagram in all_diagrams().items():
+        assert f"<!-- diagram:{name}:start -->\n```mermaid\n{diagram}```\n<!-- diagram:{name}:end -->" in text
+
+
+def test_diagrams_check_passes_on_the_repository() -> None:
+    assert main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_diagram_draws_every_spec_row(name: str) -> None:
+    spec = load_machine(name)
+    diagram = mermaid(name)
+    assert diagram == mermaid(name), "output must be deterministic"
+    assert diagram.startswith(f"---\ntitle: {name}\n---\nstateDiagram-v2\n")
+    assert f"    [*] --> {spec.initial}\n" in diagram
+    edges = [line for line in diagram.splitlines() if re.match(r"    \w+ --> \w+: ", line)]
+    assert len(edges) == len(spec.transitions)
+    for t in spec.transitions:
+        label = t.event + (f" [{t.guard}]" if t.guard else "") + (f" / {t.effect}" if t.effect else "")
+        assert f"    {t.source} --> {t.dest}: {label}" in edges
+    ends = {line.split()[0] for line in diagram.splitlines() if line.endswith("--> [*]")}
+    assert ends == set(spec.terminal)
+
+
+def _modified_job_spec() -> MachineSpec:
+    spec = load_machine("job")
+    extra = TransitionSpec("cancel", "in_flight", "cancelled", None, "release")
+    return dataclasses.replace(spec, transitions=(*spec.transitions, extra))
+
+
+def test_a_changed_table_changes_the_diagram_and_fails_the_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    modified = _modified_job_spec()
+    assert mermaid_for(modified) != mermaid("job")
+    assert "    in_flight --> cancelled: cancel / release\n" in mermaid_for(modified)
+
+    real_load = kvfsm.diagrams.load_machine
+
+    def load(name: str) -> MachineSpec:
+        return modified if name == "job" else real_load(name)
+
+    monkeypatch.setattr(kvfsm.diagrams, "load_machine", load)
+    text = README.read_text(encoding="utf-8")
+    assert render_readme(text) != text
+    assert main(["--check"]) == 1
+
+    copy = tmp_path / "README.md"
+    copy.write_text(text, encoding="utf-8")
+    assert main(["--write", "--readme", str(copy)]) == 0
+    assert "in_flight --> cancelled: cancel / release" in copy.read_text(encoding="utf-8")
+    assert main(["--check", "--readme", str(copy)]) == 0
+    assert README.read_text(encoding="utf-8") == text, "the real README must not be touched"
+
+
+def test_render_readme_rejects_unknown_machine_markers() -> None:
+    with pytest.raises(SpecError, match="unknown machine"):
+        render_readme("<!-- diagram:nope:start -->\n<!-- diagram:nope:end -->\n")
+
+
+def test_render_readme_leaves_text_outside_markers_alone() -> None:
+    text = "before\n<!-- diagram:slot:start -->\nstale\n<!-- diagram:slot:end -->\nafter\n"
+    out = render_readme(text)
+    assert out.startswith("before\n<!-- diagram:slot:start -->\n```mermaid\n---\ntitle: slot\n")
+    assert out.endswith("```\n<!-- diagram:slot:end -->\nafter\n")
+    assert "stale" not in out
+    assert render_readme(out) == out
+
+
+def test_diagrams_main_prints_every_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    printed = capsys.readouterr().out
+    for name in MACHINE_NAMES:
+        assert f"title: {name}\n" in printed
+
+
+def test_diagram_labels_reject_mermaid_separators() -> None:
+    spec = load_machine("slot")
+    bad = dataclasses.replace(
+        spec,
+        effects={**spec.effects, "a;b": "bad"},
+        transitions=(*spec.transitions, TransitionSpec("evict", "absent", "absent", None, "a;b")),
+    )
+    with pytest.raises(SpecError, match="must not contain"):
+        mermaid_for(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# SpecMachine refuses code that drifted from the spec
+
+
+class JobStateMissing(StrEnum):
+    SUBMITTED = "submitted"
+    IN_FLIGHT = "in_flight"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobStateExtra(StrEnum):
+    SUBMITTED = "submitted"
+    IN_FLIGHT = "in_flight"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    STALE = "stale"
+    PAUSED = "paused"
+
+
+class JobEventMissing(StrEnum):
+    LAUNCH = "launch"
+    ACK = "ack"
+    FAIL = "fail"
+    CANCEL = "cancel"
+
+
+class JobEventRenamed(StrEnum):
+    LAUNCH = "launch"
+    ACK = "acknowledge"
+    FAIL = "fail"
+    CANCEL = "cancel"
+    DISCARD = "discard"
+
+
+def test_spec_machine_accepts_the_real_enums_and_guards() -> None:
+    machine = SpecMachine("job", JobState, JobEvent, _spec_guards("job"), checked=False)
+    assert machine.spec == load_machine("job")
+
+
+@pytest.mark.parametrize(
+    ("states", "events", "what"),
+    [
+        (JobStateMissing, JobEvent, "states"),
+        (JobStateExtra, JobEvent, "states"),
+        (JobState, JobEventMissing, "events"),
+        (JobState, JobEventRenamed, "events"),
+    ],
+)
+def test_spec_machine_rejects_drifted_enums(states: type[StrEnum], events: type[StrEnum], what: str) -> None:
+    with pytest.raises(SpecError, match=f"code {what}"):
+        SpecMachine("job", states, events, _spec_guards("job"))
+
+
+def _always(_model: Any, _arg: int) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["missing", "extra", "renamed"],
+)
+def test_spec_machine_rejects_drifted_guards(change: str) -> None:
+    guards = _spec_guards("job")
+    if change == "missing":
+        del guards["ack_is_last"]
+    elif change == "extra":
+        guards["worker_alive"] = _always
+    else:
+        guards["ack_is_final"] = guards.pop("ack_is_last")
+    with pytest.raises(SpecError, match="code guards"):
+        SpecMachine("job", JobState, JobEvent, guards)
+
+
+def test_spec_machine_rejects_an_unknown_machine() -> None:
+    with pytest.raises(SpecError, match="unknown machine"):
+        SpecMachine("tier", JobState, JobEvent, {})
+
+
+def test_transitions_machine_rejects_overlapping_guard_and_effect_names() -> None:
+    spec = load_machine("job")
+    bad = dataclasses.replace(spec, effects={**spec.effects, "ack_is_last": "also a guard"})
+    with pytest.raises(SpecError, match="guard and effect names must differ"):
+        build_transitions_machine(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# spec_loader refuses malformed tables
+
+GOOD_TABLE = """
+name = "slot"
+description = "a tiny machine"
+initial = "absent"
+states = ["absent", "writing"]
+terminal = []
+
+[guards]
+ok = "always"
+
+[effects]
+emit = "emit something"
+
+[[transitions]]
+event = "begin_write"
+source = "absent"
+dest = "writing"
+guard = "ok"
+effect = "emit"
+"""
+
+
+@pytest.fixture
+def spec_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A temporary spec folder the loader reads instead of spec/; the caches are cleared around it."""
+    kvfsm.spec_loader.load_machine.cache_clear()
+    kvfsm.spec_loader.load_invariants.cache_clear()
+    monkeypatch.setattr(kvfsm.spec_loader, "spec_dir", lambda: tmp_path)
+    yield tmp_path
+    monkeypatch.undo()
+    kvfsm.spec_loader.load_machine.cache_clear()
+    kvfsm.spec_loader.load_invariants.cache_clear()
+
+
+def test_loader_reads_a_well_formed_temp_table(spec_folder: Path) -> None:
+    (spec_folder / "slot.toml").write_text(GOOD_TABLE, encoding="utf-8")
+    spec = load_machine("slot")
+    assert spec.states == ("absent", "writing")
+    assert spec.transitions == (TransitionSpec("begin_write", "absent", "writing", "ok", "emit"),)
+
+
+MALFORMED: list[tuple[str, str, str]] = [
+    ("undeclared dest", 'dest = "writing"', 'dest = "nowhere"'),
+    ("undeclared source", 'source = "absent"', 'source = ["absent", "limbo"]'),
+    ("undeclared guard", 'guard = "ok"', 'guard = "maybe"'),
+    ("undeclared effect", 'effect = "emit"', 'effect = "shout"'),
+    ("bad initial", 'initial = "absent"', 'initial = "start"'),
+    ("source not a name", 'source = "absent"', "source = 3"),
+    ("missing dest", 'dest = "writing"\n', ""),
+    ("missing states", 'states = ["absent", "writing"]\n', ""),
+    ("duplicate state", 'states = ["absent", "writing"]', 'states = ["absent", "writing", "absent"]'),
+    ("terminal not a state", "terminal = []", 'terminal = ["gone"]'),
+    ("terminal with exit", "terminal = []", 'terminal = ["absent"]'),
+    ("wrong name", 'name = "slot"', 'name = "slots"'),
+    ("not toml", 'name = "slot"', "name = slot"),
+]
+
+
+@pytest.mark.parametrize(("case", "old", "new"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_loader_rejects_malformed_tables(spec_folder: Path, case: str, old: str, new: str) -> None:
+    assert old in GOOD_TABLE, case
+    (spec_folder / "slot.toml").write_text(GOOD_TABLE.replace(old, new, 1), encoding="utf-8")
+    with pytest.raises(SpecError):
+        load_machine("slot")
+
+
+def test_loader_rejects_a_missing_table(spec_folder: Path) -> None:
+    with pytest.raises(SpecError, match="missing"):
+        load_machine("job")
+
+
+def test_loader_rejects_an_unknown_machine_name(spec_folder: Path) -> None:
+    (spec_folder / "tier.toml").write_text(GOOD_TABLE.replace('"slot"', '"tier"'), encoding="utf-8")
+    with pytest.raises(SpecError, match="unknown machine"):
+        load_machine("tier")
+
+
+def test_loader_rejects_invariant_of_unknown_machine(spec_folder: Path) -> None:
+    (spec_folder / "invariants.toml").write_text(
+        '[[invariant]]\nname = "x"\ntitle = "t"\nprose = "p"\nmachines = ["tier"]\n', encoding="utf-8"
+    )
+    with pytest.raises(SpecError, match="unknown machine"):
+        load_invariants()
+
+
+def test_loader_rejects_invariant_without_prose(spec_folder: Path) -> None:
+    (spec_folder / "invariants.toml").write_text(
+        '[[invariant]]\nname = "x"\ntitle = "t"\nmachines = ["job"]\n', encoding="utf-8"
+    )
+    with pytest.raises(SpecError, match="prose"):
+        load_invariants()
