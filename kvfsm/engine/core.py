@@ -9,6 +9,7 @@ engine machine settles: running, finishing, draining (nothing to run but has_pen
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -154,6 +155,7 @@ class ReferenceEngine:
         self._machine = engine_machine()
         self._inbox: deque[EngineRequest] = deque()
         self._inbox_lock = threading.Lock()
+        self._late_arrivals: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -187,7 +189,21 @@ class ReferenceEngine:
                 raise DuplicateRequestError(
                     f"request id {request.req_id!r} is already in use; expected a new id"
                 )
+            request.arrival_time = time.perf_counter()
             self._inbox.append(request)
+
+    def add_request_during_next_step(self, request: EngineRequest) -> None:
+        """Queue a request that arrives while the next step runs (after its admission phase).
+
+        Models a request reaching the engine-core input queue mid-step: it is admitted one step later,
+        after whatever that step blocks on.
+        """
+        self._late_arrivals.append(request)
+
+    def wait_for_transfers(self) -> None:
+        """Block until every launched copy finished (tests and shutdown only: makes completion explicit)."""
+        for w in self.workers:
+            w.wait_all()
 
     def abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)
@@ -211,10 +227,13 @@ class ReferenceEngine:
 
     def step(self) -> StepRecord | None:
         """One engine iteration. Returns None when idle with nothing to do."""
+        if self.state is EngineState.IDLE:
+            self._admit_late()  # an idle engine has no step for them to arrive during
         self._admit()
         if self.state is EngineState.IDLE:
             return None
         self.step_count += 1
+        self._admit_late()
         plan = self._schedule()
         meta = self.scheduler.build_connector_meta(
             SchedulerOutput(tuple(plan.scheduled), frozenset(plan.preempted), frozenset(plan.allocated))
@@ -251,6 +270,11 @@ class ReferenceEngine:
             if taken >= max_steps:
                 raise RuntimeError(f"engine still {self.state.value} after {max_steps} steps")
         return taken
+
+    def _admit_late(self) -> None:
+        for late in self._late_arrivals:
+            self.add_request(late)
+        self._late_arrivals.clear()
 
     def _admit(self) -> None:
         with self._inbox_lock:
@@ -337,6 +361,7 @@ class ReferenceEngine:
         plan.allocated.update(new)
         if req.first_scheduled_step is None:
             req.first_scheduled_step = self.step_count
+            req.first_scheduled_time = time.perf_counter()
         if external:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             job_ids = self.scheduler.request_jobs(req.req_id)

@@ -43,6 +43,8 @@ class EngineRequest:
         "_block_hashes",
         "aborted",
         "arrival_step",
+        "arrival_time",
+        "first_scheduled_time",
         "block_ids",
         "first_scheduled_step",
         "max_tokens",
@@ -78,6 +80,8 @@ class EngineRequest:
         self.aborted = False
         self.block_ids: list[int] = []
         self.arrival_step = -1
+        self.arrival_time = 0.0
+        self.first_scheduled_time: float | None = None
         self.first_scheduled_step: int | None = None
         self._block_hashes: list[bytes] = []
 

@@ -1,0 +1,429 @@
+"""The compiled tables equal the transitions Machines they are compiled from.
+
+``kvfsm.fsm`` runs every transition through a ``dict[(state, event)] -> edges`` table compiled from a
+model-less ``transitions.Machine`` (spec/README.md, "The compiled table and checked mode"). This file is
+the proof that the shortcut is sound:
+
+- exhaustively, for every machine, state, event and truth assignment of the guards, the table and
+  transitions give the same answer;
+- checked mode really runs through transitions, agrees with the compiled path on random event
+  sequences, and catches a tampered table;
+- an event the table does not enable raises InvalidTransition and changes nothing (h2's totality test:
+  every (state, event) pair either transitions or raises).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvfsm.fsm
+from kvfsm.errors import InvalidTransition, SpecError
+from kvfsm.fsm import (
+    CompiledEdge,
+    SpecMachine,
+    build_transitions_machine,
+    checked_mode_default,
+    compile_table,
+    evaluate_table,
+    evaluate_transitions,
+)
+from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
+from kvfsm.spec_loader import MACHINE_NAMES, load_machine
+from kvfsm.states import (
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobState,
+    RequestEvent,
+    RequestState,
+    SlotEvent,
+    SlotState,
+)
+
+ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum]]] = {
+    "job": (JobState, JobEvent),
+    "slot": (SlotState, SlotEvent),
+    "request": (RequestState, RequestEvent),
+    "engine": (EngineState, EngineEvent),
+}
+
+
+def _valuations(guards: list[str]) -> Iterator[dict[str, bool]]:
+    for values in itertools.product((False, True), repeat=len(guards)):
+        yield dict(zip(guards, values, strict=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# The exhaustive equivalence proof
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_table_equals_transitions_for_every_state_event_and_guard_valuation(name: str) -> None:
+    spec = load_machine(name)
+    machine = build_transitions_machine(spec)
+    table = compile_table(machine)
+    effects = frozenset(spec.effects)
+    guards = sorted(spec.guards)
+    events = list(machine.events)
+    assert set(events) == set(spec.events), "every event of the machine, enabled or not"
+    cases = enabled = 0
+    for state in machine.states:
+        for event in events:
+            for valuation in _valuations(guards):
+                asked: list[str] = []
+
+                def guard(g: str, valuation: dict[str, bool] = valuation, asked: list[str] = asked) -> bool:
+                    asked.append(g)
+                    return valuation[g]
+
+                mine = evaluate_table(table, state, event, guard)
+                ref = evaluate_transitions(machine, effects, state, event, guard)
+                assert mine == ref, f"{name}: {state} {event} {valuation}: table {mine} != transitions {ref}"
+                assert set(asked) <= set(guards)
+                cases += 1
+                enabled += mine is not None
+    assert cases == len(spec.states) * len(spec.events) * 2 ** len(spec.guards)
+    assert 0 < enabled < cases
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_table_keys_are_exactly_the_spec_rows(name: str) -> None:
+    spec = load_machine(name)
+    table = compile_table(build_transitions_machine(spec))
+    assert set(table) == {(t.source, t.event) for t in spec.transitions}
+    for key, edges in table.items():
+        rows = [t for t in spec.transitions if (t.source, t.event) == key]
+        assert edges == tuple(CompiledEdge(t.guard, t.dest, t.effect) for t in rows), key
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_guarded_groups_have_only_guarded_edges_after_the_first(name: str) -> None:
+    # An unguarded edge shadows every edge after it: the spec must never rely on that.
+    table = compile_table(build_transitions_machine(load_machine(name)))
+    for key, edges in table.items():
+        if len(edges) > 1:
+            assert all(e.guard is not None for e in edges), key
+
+
+def test_spec_machine_table_is_the_compiled_table() -> None:
+    for name, factory in (
+        ("job", job_machine),
+        ("slot", slot_machine),
+        ("request", request_machine),
+        ("engine", engine_machine),
+    ):
+        sm: SpecMachine[Any, Any] = factory()
+        assert sm.table() == compile_table(build_transitions_machine(load_machine(name)))
+        assert set(sm._table) == set(sm.table())
+
+
+# --------------------------------------------------------------------------------------------------
+# Models for driving SpecMachines
+
+
+@dataclass(slots=True)
+class JobModel:
+    state: JobState = JobState.SUBMITTED
+    pending: int = 2
+    launched_mask: int = 0
+    failed_reports: int = 0
+
+
+@dataclass(slots=True)
+class SlotModel:
+    state: SlotState = SlotState.ABSENT
+    readers: int = 0
+
+
+def _apply_job(job: JobModel, event: JobEvent, arg: int) -> None:
+    """The bookkeeping Job does around a successful fire."""
+    if event is JobEvent.LAUNCH:
+        job.launched_mask |= 1 << arg
+    elif event is JobEvent.ACK:
+        job.pending -= arg
+    elif event is JobEvent.FAIL:
+        job.pending = max(0, job.pending - arg)
+        job.failed_reports += arg
+
+
+def _apply_slot(slot: SlotModel, event: SlotEvent) -> None:
+    """The reader count a tier keeps around a successful fire."""
+    if event is SlotEvent.BEGIN_READ:
+        slot.readers += 1
+    elif event is SlotEvent.END_READ:
+        slot.readers -= 1
+    elif event in (SlotEvent.EVICT, SlotEvent.RESET, SlotEvent.ABORT_WRITE):
+        slot.readers = 0
+
+
+def _fire(sm: SpecMachine[Any, Any], model: Any, event: StrEnum, arg: int) -> tuple[str, str | None]:
+    """Fire and report (outcome, effect); outcome is 'ok' or 'invalid'."""
+    before = model.state
+    try:
+        effect = sm.fire(model, event, arg)
+    except InvalidTransition as exc:
+        assert model.state is before
+        assert exc.state == str(before) and exc.event == str(event)
+        return "invalid", None
+    return "ok", effect
+
+
+job_steps = st.lists(st.tuples(st.sampled_from(list(JobEvent)), st.integers(0, 3)), max_size=40)
+slot_steps = st.lists(st.sampled_from(list(SlotEvent)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=job_steps, world=st.integers(1, 3))
+def test_checked_job_machine_agrees_with_compiled_path(steps: list[tuple[JobEvent, int]], world: int) -> None:
+    checked, fast = job_machine(checked=True), job_machine(checked=False)
+    assert checked.checked and not fast.checked
+    a, b = JobModel(pending=world), JobModel(pending=world)
+    for event, arg in steps:
+        ra, rb = _fire(checked, a, event, arg), _fire(fast, b, event, arg)
+        assert ra == rb
+        if ra[0] == "ok":
+            _apply_job(a, event, arg)
+            _apply_job(b, event, arg)
+        assert a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=slot_steps)
+def test_checked_slot_machine_agrees_with_compiled_path(steps: list[SlotEvent]) -> None:
+    checked, fast = slot_machine(checked=True), slot_machine(checked=False)
+    a, b = SlotModel(), SlotModel()
+    for event in steps:
+        ra, rb = _fire(checked, a, event, 0), _fire(fast, b, event, 0)
+        assert ra == rb
+        if ra[0] == "ok":
+            _apply_slot(a, event)
+            _apply_slot(b, event)
+        assert a == b
+
+
+def _count_transitions_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real = kvfsm.fsm.evaluate_transitions
+
+    def spy(
+        machine: Any, effects: frozenset[str], state: str, event: str, guard: Callable[[str], bool]
+    ) -> tuple[str, str | None] | None:
+        calls.append(event)
+        return real(machine, effects, state, event, guard)
+
+    monkeypatch.setattr(kvfsm.fsm, "evaluate_transitions", spy)
+    return calls
+
+
+def _random_job_run(sm: SpecMachine[JobState, JobEvent], seed: int, n: int = 300) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    job = JobModel()
+    trace: list[tuple[str, str]] = []
+    for _ in range(n):
+        if job.state not in (JobState.SUBMITTED, JobState.IN_FLIGHT):
+            job = JobModel(pending=rng.randint(1, 3))
+        event, arg = rng.choice(list(JobEvent)), rng.randint(0, 3)
+        outcome, effect = _fire(sm, job, event, arg)
+        if outcome == "ok":
+            _apply_job(job, event, arg)
+        trace.append((f"{event}:{outcome}", f"{job.state}:{effect}"))
+    return trace
+
+
+def test_checked_mode_runs_every_fire_through_transitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_transitions_calls(monkeypatch)
+    fast = SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=False)
+    fast_trace = _random_job_run(fast, seed=7)
+    assert calls == []
+    checked = SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=True)
+    checked_trace = _random_job_run(checked, seed=7)
+    assert len(calls) == len(checked_trace) == 300
+    assert checked_trace == fast_trace
+    assert any(":ok" in step for step, _ in fast_trace) and any(":invalid" in step for step, _ in fast_trace)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False), ("", False), ("no", False)],
+)
+def test_checked_mode_environment_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: bool
+) -> None:
+    monkeypatch.setenv("KVFSM_CHECKED", value)
+    assert checked_mode_default() is expected
+    sm = SpecMachine("slot", SlotState, SlotEvent, slot_machine()._guards)
+    assert sm.checked is expected
+    # An explicit argument wins over the environment.
+    assert SpecMachine(
+        "slot", SlotState, SlotEvent, slot_machine()._guards, checked=not expected
+    ).checked is (not expected)
+
+
+def test_checked_mode_from_environment_goes_through_transitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFSM_CHECKED", raising=False)
+    fast_trace = _random_job_run(SpecMachine("job", JobState, JobEvent, job_machine()._guards), seed=11)
+    monkeypatch.setenv("KVFSM_CHECKED", "1")
+    calls = _count_transitions_calls(monkeypatch)
+    sm = SpecMachine("job", JobState, JobEvent, job_machine()._guards)
+    assert sm.checked
+    assert _random_job_run(sm, seed=11) == fast_trace
+    assert len(calls) == 300
+
+
+# --------------------------------------------------------------------------------------------------
+# Tampered tables
+
+
+def _fresh_job_machine(checked: bool) -> SpecMachine[JobState, JobEvent]:
+    return SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=checked)
+
+
+def test_tampered_destination_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = (JobState.SUBMITTED.value, JobEvent.CANCEL.value)
+    wrong = ((None, JobState.COMPLETE, "release"),)
+    checked, fast = _fresh_job_machine(True), _fresh_job_machine(False)
+    monkeypatch.setitem(checked._table, key, wrong)
+    monkeypatch.setitem(fast._table, key, wrong)
+    # The compiled path alone silently follows the tampered row ...
+    job = JobModel()
+    assert fast.fire(job, JobEvent.CANCEL) == "release"
+    assert job.state is JobState.COMPLETE
+    # ... checked mode refuses it, and the model keeps its state.
+    job = JobModel()
+    with pytest.raises(SpecError, match="compiled table gave"):
+        checked.fire(job, JobEvent.CANCEL)
+    assert job.state is JobState.SUBMITTED
+
+
+def test_tampered_effect_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = _fresh_job_machine(True)
+    key = (JobState.IN_FLIGHT.value, JobEvent.FAIL.value)
+    monkeypatch.setitem(checked._table, key, ((None, JobState.FAILED, "commit"),))
+    with pytest.raises(SpecError):
+        checked.fire(JobModel(state=JobState.IN_FLIGHT), JobEvent.FAIL)
+
+
+def test_removed_row_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = _fresh_job_machine(True)
+    monkeypatch.delitem(checked._table, (JobState.SUBMITTED.value, JobEvent.DISCARD.value))
+    job = JobModel()
+    with pytest.raises(SpecError, match="transitions gave"):
+        checked.fire(job, JobEvent.DISCARD)
+    assert job.state is JobState.SUBMITTED
+
+
+def test_tampered_compile_step_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = kvfsm.fsm.compile_table
+
+    def tampered(machine: Any) -> dict[tuple[str, str], tuple[CompiledEdge, ...]]:
+        table = real(machine)
+        key = ("in_flight", "ack")
+        table[key] = tuple(
+            CompiledEdge(e.guard, "failed" if e.dest == "complete" else e.dest, e.effect) for e in table[key]
+        )
+        return table
+
+    monkeypatch.setattr(kvfsm.fsm, "compile_table", tampered)
+    checked = _fresh_job_machine(True)
+    job = JobModel(state=JobState.IN_FLIGHT, pending=1)
+    with pytest.raises(SpecError):
+        checked.fire(job, JobEvent.ACK, 1)
+    assert job.state is JobState.IN_FLIGHT
+
+
+# --------------------------------------------------------------------------------------------------
+# Invalid events and totality
+
+
+@dataclass(slots=True)
+class ValuationModel:
+    """A model whose guards answer from a fixed truth assignment."""
+
+    state: Any
+    valuation: dict[str, bool] = field(default_factory=dict)
+
+
+def _valuation_machine(name: str, checked: bool) -> SpecMachine[Any, Any]:
+    spec = load_machine(name)
+
+    def make(g: str) -> Callable[[Any, int], bool]:
+        return lambda model, _arg: bool(model.valuation[g])
+
+    state_enum, event_enum = ENUMS[name]
+    return SpecMachine(name, state_enum, event_enum, {g: make(g) for g in spec.guards}, checked=checked)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["compiled", "checked"])
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_every_state_event_pair_transitions_or_raises(name: str, checked: bool) -> None:
+    """h2's totality test, over every guard valuation as well."""
+    spec = load_machine(name)
+    sm = _valuation_machine(name, checked)
+    reference = build_transitions_machine(spec)
+    state_enum, event_enum = ENUMS[name]
+    for state, event in itertools.product(state_enum, event_enum):
+        for valuation in _valuations(sorted(spec.guards)):
+            model = ValuationModel(state, valuation)
+            expected = evaluate_transitions(
+                reference, frozenset(spec.effects), state.value, event.value, valuation.__getitem__
+            )
+            assert sm.can_fire(model, event) is (expected is not None)
+            try:
+                effect = sm.fire(model, event)
+            except InvalidTransition as exc:
+                assert expected is None, (state, event, valuation)
+                assert model.state is state
+                assert (exc.machine, exc.state, exc.event) == (name, state.value, event.value)
+                assert f"spec/{name}.toml" in str(exc)
+            else:
+                assert expected == (model.state.value, effect), (state, event, valuation)
+                assert isinstance(model.state, state_enum)
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_disabled_events_raise_and_leave_the_state_unchanged(name: str) -> None:
+    spec = load_machine(name)
+    sm = _valuation_machine(name, checked=False)
+    state_enum, event_enum = ENUMS[name]
+    table = sm.table()
+    all_true = dict.fromkeys(spec.guards, True)
+    disabled = [
+        (s, e) for s, e in itertools.product(state_enum, event_enum) if (s.value, e.value) not in table
+    ]
+    assert disabled, "every machine has events that some state does not accept"
+    for state, event in disabled:
+        model = ValuationModel(state, all_true)
+        with pytest.raises(InvalidTransition) as info:
+            sm.fire(model, event)
+        assert model.state is state
+        assert "no guard held" not in str(info.value)
+
+
+def test_no_guard_held_is_reported_and_changes_nothing() -> None:
+    sm = job_machine(checked=True)
+    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    with pytest.raises(InvalidTransition, match="no guard held"):
+        sm.fire(job, JobEvent.ACK, 3)  # neither 0 < 3 < 2 nor 3 == 2
+    assert job.state is JobState.IN_FLIGHT and job.pending == 2
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_terminal_states_accept_no_event(name: str) -> None:
+    spec = load_machine(name)
+    sm = _valuation_machine(name, checked=True)
+    state_enum, event_enum = ENUMS[name]
+    for terminal in spec.terminal:
+        for event in event_enum:
+            model = ValuationModel(state_enum(terminal), dict.fromkeys(spec.guards, True))
+            with pytest.raises(InvalidTransition):
+                sm.fire(model, event)
+            assert model.state == terminal

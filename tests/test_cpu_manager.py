@@ -1,0 +1,433 @@
+"""CPUOffloadingManager: slot-machine transitions, lookup per state, eviction safety, events, reset, errors."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+
+import pytest
+
+import kvfsm.control.cpu as cpu_mod
+from kvfsm.control.cpu import CPUOffloadingManager, Slot
+from kvfsm.control.types import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+    make_offload_key,
+)
+from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
+from kvfsm.fsm import SpecMachine
+from kvfsm.machines import slot_machine
+from kvfsm.states import SlotEvent, SlotState
+
+CTX = ReqContext("r1")
+A, W, R, RD = SlotState.ABSENT, SlotState.WRITING, SlotState.READY, SlotState.READING
+
+
+def k(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"))
+
+
+def keys(*ids: int) -> list[OffloadKey]:
+    return [k(i) for i in ids]
+
+
+def store(m: CPUOffloadingManager, *ids: int) -> PrepareStoreOutput:
+    out = m.prepare_store(keys(*ids), CTX)
+    assert out is not None
+    m.complete_store(out.keys_to_store, CTX)
+    return out
+
+
+Snapshot = tuple[tuple[tuple[SlotState, int | None, int | None], ...], int, int, int, int, int, list[OffloadKey]]
+
+
+def snapshot(m: CPUOffloadingManager, universe: Iterable[int] = range(16)) -> Snapshot:
+    per_key = tuple((m.slot_state(k(i)), m.ref_cnt(k(i)), m.slot_id(k(i))) for i in universe)
+    return (
+        per_key,
+        m.num_free,
+        m.num_writing,
+        m.num_reading,
+        m.num_evictable,
+        len(m.policy),
+        m.policy.keys(),
+    )
+
+
+def check_counts(m: CPUOffloadingManager, universe: Iterable[int]) -> None:
+    """The incremental counts agree with a full scan."""
+    states = [m.slot_state(k(i)) for i in universe]
+    assert m.num_writing == states.count(W)
+    assert m.num_evictable == states.count(R) == m.policy.num_evictable
+    assert m.num_reading == states.count(RD)
+    assert m.num_free == m.num_slots - (len(states) - states.count(A))
+    assert len(m.policy) == states.count(R) + states.count(RD)
+
+
+class RecordingMachine:
+    """Wraps the slot machine; logs every fire as (key, before, event, after)."""
+
+    def __init__(self, inner: SpecMachine[SlotState, SlotEvent]) -> None:
+        self.inner = inner
+        self.log: list[tuple[OffloadKey, SlotState, SlotEvent, SlotState]] = []
+
+    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> str | None:
+        before = model.state
+        effect = self.inner.fire(model, event, arg)
+        self.log.append((model.key, before, event, model.state))
+        return effect
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingMachine]:
+    rec = RecordingMachine(slot_machine(True))
+    monkeypatch.setattr(cpu_mod, "slot_machine", lambda checked=None: rec)
+    yield rec
+
+
+# -- construction --
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError, match="expected >= 1"):
+        CPUOffloadingManager(0)
+    with pytest.raises(ConfigError, match="unknown cache policy"):
+        CPUOffloadingManager(4, "mru")
+    m = CPUOffloadingManager(4, "arc", medium="PINNED", checked=True)
+    assert (m.num_slots, m.num_free, m.medium) == (4, 4, "PINNED")
+
+
+# -- transitions --
+
+
+def test_every_slot_change_goes_through_the_machine(recorder: RecordingMachine) -> None:
+    m = CPUOffloadingManager(2, checked=True)
+    out = m.prepare_store(keys(0, 1), CTX)
+    assert out is not None
+    m.complete_store(keys(0), CTX)
+    m.complete_store(keys(1), CTX, success=False)
+    m.prepare_load(keys(0), CTX)
+    m.prepare_load(keys(0), CTX)
+    m.complete_load(keys(0), CTX)
+    m.complete_load(keys(0), CTX)
+    out = m.prepare_store(keys(2, 3), CTX)  # one free slot; k0 is evicted for the other
+    assert out is not None and out.evicted_keys == (k(0),)
+    m.reset_cache()
+    assert recorder.log == [
+        (k(0), A, SlotEvent.BEGIN_WRITE, W),
+        (k(1), A, SlotEvent.BEGIN_WRITE, W),
+        (k(0), W, SlotEvent.COMMIT_WRITE, R),
+        (k(1), W, SlotEvent.ABORT_WRITE, A),
+        (k(0), R, SlotEvent.BEGIN_READ, RD),
+        (k(0), RD, SlotEvent.BEGIN_READ, RD),
+        (k(0), RD, SlotEvent.END_READ, RD),
+        (k(0), RD, SlotEvent.END_READ, R),
+        (k(0), R, SlotEvent.EVICT, A),
+        (k(2), A, SlotEvent.BEGIN_WRITE, W),
+        (k(3), A, SlotEvent.BEGIN_WRITE, W),
+        (k(2), W, SlotEvent.RESET, A),
+        (k(3), W, SlotEvent.RESET, A),
+    ]
+    table = recorder.inner.table()
+    for _key, before, event, after in recorder.log:
+        assert any(e.dest == after.value for e in table[(before.value, event.value)])
+
+
+def test_lookup_per_state_and_ref_cnt_view() -> None:
+    m = CPUOffloadingManager(4, checked=True)
+    assert m.lookup(k(0), CTX) is LookupResult.MISS
+    assert (m.slot_state(k(0)), m.ref_cnt(k(0)), m.slot_id(k(0))) == (A, None, None)
+    m.prepare_store(keys(0), CTX)
+    assert m.lookup(k(0), CTX) is LookupResult.HIT_PENDING
+    assert (m.slot_state(k(0)), m.ref_cnt(k(0)), m.slot_id(k(0))) == (W, -1, 0)
+    m.complete_store(keys(0), CTX)
+    assert m.lookup(k(0), CTX) is LookupResult.HIT
+    assert (m.slot_state(k(0)), m.ref_cnt(k(0))) == (R, 0)
+    m.prepare_load(keys(0), CTX)
+    m.prepare_load(keys(0), CTX)
+    assert m.lookup(k(0), CTX) is LookupResult.HIT
+    assert (m.slot_state(k(0)), m.ref_cnt(k(0))) == (RD, 2)
+    s = m.stats()
+    assert (s["lookups"], s["misses"], s["hit_pending"], s["hits"]) == (4, 1, 1, 2)
+
+
+# -- store path --
+
+
+def test_prepare_store_drops_present_keys_dedups_and_allocates_in_order() -> None:
+    m = CPUOffloadingManager(8)
+    store(m, 0)
+    m.prepare_store(keys(1), CTX)  # writing
+    out = m.prepare_store(keys(0, 1, 2, 2, 3), CTX)
+    assert out == PrepareStoreOutput((k(2), k(3)), SlotSpec((2, 3)), ())
+    assert m.prepare_store(keys(0, 1, 2), CTX) == PrepareStoreOutput((), SlotSpec(()), ())
+    assert m.prepare_store([], CTX) == PrepareStoreOutput((), SlotSpec(()), ())
+    assert m.num_writing == 3 and m.num_free == 4
+
+
+def test_freed_slot_ids_are_reused() -> None:
+    m = CPUOffloadingManager(3)
+    out = m.prepare_store(keys(0, 1, 2), CTX)
+    assert out is not None and out.store_spec.slot_ids == (0, 1, 2)
+    m.complete_store(keys(1), CTX, success=False)
+    out = m.prepare_store(keys(5), CTX)
+    assert out is not None and out.store_spec.slot_ids == (1,)
+
+
+def test_failed_store_frees_slots_and_key_becomes_absent() -> None:
+    m = CPUOffloadingManager(2)
+    m.prepare_store(keys(0, 1), CTX)
+    assert m.num_free == 0
+    m.complete_store(keys(0, 1), CTX, success=False)
+    assert m.num_free == 2 and m.num_writing == 0
+    assert m.lookup(k(0), CTX) is LookupResult.MISS
+    assert len(m.policy) == 0
+    assert m.stats()["stores_failed"] == 2
+    assert m.take_events() == []
+
+
+def test_complete_store_is_idempotent_and_ignores_non_writing_keys() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0)
+    m.prepare_load(keys(0), CTX)
+    m.prepare_store(keys(1), CTX)
+    m.take_events()
+    before = snapshot(m)
+    m.complete_store(keys(0, 7), CTX)  # reading and absent: ignored
+    m.complete_store(keys(0, 7), CTX, success=False)
+    assert snapshot(m) == before
+    m.complete_store(keys(1), CTX)
+    after = snapshot(m)
+    m.complete_store(keys(1), CTX)
+    m.complete_store(keys(1), CTX, success=False)  # already ready: failure changes nothing
+    assert snapshot(m) == after
+    assert m.take_events() == [OffloadingEvent((k(1),), "CPU", removed=False)]
+    assert m.stats()["stores_committed"] == 2
+
+
+# -- eviction --
+
+
+def test_eviction_never_takes_writing_or_reading_slots() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0, 1)
+    m.prepare_store(keys(2), CTX)  # writing
+    m.prepare_load(keys(0), CTX)  # reading
+    out = m.prepare_store(keys(3, 4), CTX)  # one free slot + one eviction: only k1 qualifies
+    assert out is not None and out.evicted_keys == (k(1),)
+    assert out.store_spec.slot_ids == (1, 3)  # the freed id first, then a never-used one
+    assert m.slot_state(k(0)) is RD and m.slot_state(k(2)) is W
+    before = snapshot(m)
+    assert m.prepare_store(keys(5), CTX) is None  # nothing evictable
+    assert snapshot(m) == before
+    m.complete_load(keys(0), CTX)
+    out = m.prepare_store(keys(5), CTX)
+    assert out is not None and out.evicted_keys == (k(0),)
+    assert m.stats()["evictions"] == 2
+
+
+def test_prepare_store_none_when_too_few_evictable_or_protected() -> None:
+    m = CPUOffloadingManager(3)
+    store(m, 0, 1, 2)
+    before = snapshot(m)
+    assert m.prepare_store(keys(3, 4, 5, 6), CTX) is None  # needs 4 > 3 slots
+    assert snapshot(m) == before
+    # k0, k1 listed: protected; only k2 may go, but two slots are needed.
+    assert m.prepare_store(keys(0, 1, 3, 4), CTX) is None
+    assert snapshot(m) == before
+    out = m.prepare_store(keys(0, 1, 3), CTX)
+    assert out is not None and out.keys_to_store == (k(3),) and out.evicted_keys == (k(2),)
+
+
+def test_touch_changes_victim() -> None:
+    m = CPUOffloadingManager(2)
+    store(m, 0, 1)
+    m.touch(keys(0), CTX)
+    out = m.prepare_store(keys(2), CTX)
+    assert out is not None and out.evicted_keys == (k(1),)
+
+
+def test_arc_manager_evicts_once_seen_before_touched() -> None:
+    m = CPUOffloadingManager(3, "arc")
+    store(m, 0, 1, 2)
+    m.touch(keys(0), CTX)
+    out = m.prepare_store(keys(3, 4), CTX)
+    assert out is not None and out.evicted_keys == (k(1), k(2))
+
+
+# -- events --
+
+
+def test_events_stored_and_removed() -> None:
+    m = CPUOffloadingManager(2, medium="CPU")
+    store(m, 0, 1)
+    store(m, 2)
+    assert m.take_events() == [
+        OffloadingEvent((k(0), k(1)), "CPU", removed=False),
+        OffloadingEvent((k(0),), "CPU", removed=True),
+        OffloadingEvent((k(2),), "CPU", removed=False),
+    ]
+    assert m.take_events() == []
+
+
+def test_events_disabled() -> None:
+    m = CPUOffloadingManager(1, enable_events=False)
+    store(m, 0)
+    store(m, 1)
+    assert m.take_events() == []
+    assert m.stats()["evictions"] == 1
+
+
+# -- reset --
+
+
+def test_reset_clears_everything_and_late_completions_are_ignored() -> None:
+    m = CPUOffloadingManager(4, checked=True)
+    store(m, 0, 1)
+    m.prepare_load(keys(0), CTX)
+    m.prepare_store(keys(2), CTX)
+    m.reset_cache()
+    assert [m.slot_state(k(i)) for i in range(3)] == [A, A, A]
+    assert (m.num_free, m.num_writing, m.num_reading, m.num_evictable, len(m.policy)) == (4, 0, 0, 0, 0)
+    m.complete_store(keys(2), CTX)  # a stale completion: the key is absent now
+    assert m.slot_state(k(2)) is A
+    out = m.prepare_store(keys(5), CTX)
+    assert out is not None and out.store_spec.slot_ids == (0,)  # allocator restarted
+
+
+# -- typed errors leave state unchanged --
+
+
+def test_prepare_load_of_unready_key_raises_and_changes_nothing() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0)
+    m.prepare_store(keys(1), CTX)
+    before = snapshot(m)
+    with pytest.raises(KeyNotReadyError, match=rf"{k(1).hex()}.*writing; expected ready or reading"):
+        m.prepare_load(keys(0, 1), CTX)
+    assert snapshot(m) == before
+    with pytest.raises(KeyNotReadyError, match="absent"):
+        m.prepare_load(keys(0, 9), CTX)
+    assert snapshot(m) == before
+    assert m.prepare_load(keys(0), CTX) == SlotSpec((0,))
+
+
+def test_complete_load_of_unpinned_key_raises_and_changes_nothing() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0, 1)
+    m.prepare_load(keys(0), CTX)
+    before = snapshot(m)
+    with pytest.raises(InvalidTransition, match="end_read"):
+        m.complete_load(keys(0, 1), CTX)  # k1 is ready, not reading
+    assert snapshot(m) == before
+    with pytest.raises(InvalidTransition, match="1 reader"):
+        m.complete_load(keys(0, 0), CTX)  # two reads end, one reader
+    assert snapshot(m) == before
+    with pytest.raises(InvalidTransition):
+        m.complete_load(keys(7), CTX)
+    assert snapshot(m) == before
+
+
+def test_prepare_write_errors_change_nothing() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0)
+    before = snapshot(m)
+    with pytest.raises(InvalidTransition, match="already held"):
+        m.prepare_write(keys(1, 0))
+    with pytest.raises(InvalidTransition, match="listed twice"):
+        m.prepare_write(keys(1, 1))
+    assert snapshot(m) == before
+    assert m.prepare_write([]) == SlotSpec(())
+
+
+def test_complete_write_requires_writing_keys() -> None:
+    m = CPUOffloadingManager(4)
+    store(m, 0)
+    assert m.prepare_write(keys(1)) == SlotSpec((1,))
+    before = snapshot(m)
+    with pytest.raises(InvalidTransition, match="commit_write"):
+        m.complete_write(keys(1, 0), True)
+    with pytest.raises(InvalidTransition, match="abort_write"):
+        m.complete_write(keys(1, 5), False)
+    assert snapshot(m) == before
+    m.complete_write(keys(1), True)
+    assert m.slot_state(k(1)) is R
+    assert m.stats()["promotions_committed"] == 1
+
+
+# -- tier-side helpers --
+
+
+def test_prepare_write_evicts_like_prepare_store_and_returns_none_when_full() -> None:
+    m = CPUOffloadingManager(2)
+    store(m, 0)
+    assert m.prepare_write(keys(1)) == SlotSpec((1,))
+    assert m.prepare_write(keys(2)) == SlotSpec((0,))  # evicts k0
+    assert m.slot_state(k(0)) is A
+    before = snapshot(m)
+    assert m.prepare_write(keys(3)) is None  # both slots writing
+    assert snapshot(m) == before
+    m.complete_write(keys(1), False)
+    assert m.num_free == 1 and m.stats()["promotions_failed"] == 1
+
+
+def test_prepare_read_pins_until_complete_read() -> None:
+    m = CPUOffloadingManager(1)
+    store(m, 0)
+    assert m.prepare_read(keys(0)) == SlotSpec((0,))
+    assert m.prepare_store(keys(1), CTX) is None
+    m.complete_read(keys(0))
+    assert m.ref_cnt(k(0)) == 0 and m.num_evictable == 1
+    out = m.prepare_store(keys(1), CTX)
+    assert out is not None and out.evicted_keys == (k(0),)
+
+
+def test_has_pending_work_default_false() -> None:
+    m = CPUOffloadingManager(2)
+    m.prepare_store(keys(0), CTX)
+    assert m.has_pending_work() is False
+
+
+# -- counts under random operations --
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_counts_stay_consistent_under_random_operations(policy: str) -> None:
+    rng = random.Random(11)
+    universe = range(24)
+    m = CPUOffloadingManager(8, policy, checked=True)
+    for _ in range(1500):
+        op = rng.randrange(8)
+        ks = keys(*(rng.randrange(24) for _ in range(rng.randrange(1, 4))))
+        if op == 0:
+            m.prepare_store(ks, CTX)
+        elif op == 1:
+            m.complete_store(ks, CTX, success=rng.random() < 0.8)
+        elif op == 2:
+            ready = [x for x in ks if m.slot_state(x) in (R, RD)]
+            if ready:
+                m.prepare_load(ready, CTX)
+        elif op == 3:
+            reading = list({x for x in ks if m.slot_state(x) is RD})
+            if reading:
+                m.complete_load(reading, CTX)
+        elif op == 4:
+            m.touch(ks, CTX)
+        elif op == 5:
+            before = snapshot(m, universe)
+            try:
+                m.prepare_load(ks, CTX)
+            except KeyNotReadyError:
+                assert snapshot(m, universe) == before
+        elif op == 6:
+            m.lookup(ks[0], CTX)
+        elif rng.random() < 0.05:
+            m.reset_cache()
+        check_counts(m, universe)
+        ids = [m.slot_id(k(i)) for i in universe]
+        held = [i for i in ids if i is not None]
+        assert len(held) == len(set(held)) and all(0 <= i < 8 for i in held)
