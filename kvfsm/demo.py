@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfsm.control.config import DrainMode
+from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
 from kvfsm.invariants import SystemView, check_all
 from kvfsm.states import EngineState
@@ -139,7 +140,9 @@ def run_demo(quick: bool = False) -> int:
     t0 = time.perf_counter()
     engine, states = run_workload(cfg, users=3 if quick else 4, turns=2 if quick else 3)
     elapsed = time.perf_counter() - t0
-    s, m = engine.scheduler.stats, engine.manager.stats()
+    s = engine.scheduler.stats
+    assert isinstance(engine.manager, CPUOffloadingManager)
+    m = engine.manager.stats()
     print(f"engine timeline ({len(states)} steps): {compress_timeline(states)}\n")
     print(
         f"  store jobs {s.store_jobs} (committed {s.committed_stores}), load jobs {s.load_jobs} "

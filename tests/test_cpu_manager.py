@@ -1,4 +1,4 @@
-"""CPUOffloadingManager: slot-machine transitions, lookup per state, eviction safety, events, reset, errors."""
+"""CPUOffloadingManager: slot transitions, lookup per state, eviction safety, events, reset, errors."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def store(m: CPUOffloadingManager, *ids: int) -> PrepareStoreOutput:
     return out
 
 
-Snapshot = tuple[tuple[tuple[SlotState, int | None, int | None], ...], int, int, int, int, int, list[OffloadKey]]
+Snapshot = tuple[
+    tuple[tuple[SlotState, int | None, int | None], ...], int, int, int, int, int, list[OffloadKey]
+]
 
 
 def snapshot(m: CPUOffloadingManager, universe: Iterable[int] = range(16)) -> Snapshot:
