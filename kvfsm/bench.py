@@ -129,9 +129,7 @@ def run_bench(jobs: int = 2000, repeats: int = 5, as_json: bool = False) -> int:
         print(
             json.dumps(
                 {
-                    "lifecycle": [
-                        {"what": w, "compiled_us": c, "checked_us": k, "ratio": k / c} for w, c, k in rows
-                    ],
+                    "lifecycle": [{"what": w, "compiled_us": c, "checked_us": k, "ratio": k / c} for w, c, k in rows],
                     "has_pending_push_work_ns": {
                         "10_jobs": small,
                         "100k_jobs": large,

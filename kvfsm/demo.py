@@ -62,9 +62,7 @@ def run_workload(
         reqs = {}
         for u in range(users):
             history[u] += [rng.randrange(1, 30000) for _ in range(rng.randrange(tpb, 3 * tpb))]
-            req = engine.make_request(
-                f"u{u}-t{turn}", history[u], max_tokens=rng.randrange(tpb // 2, 2 * tpb)
-            )
+            req = engine.make_request(f"u{u}-t{turn}", history[u], max_tokens=rng.randrange(tpb // 2, 2 * tpb))
             engine.add_request(req)
             reqs[u] = req
         while engine.step() is not None:
@@ -162,9 +160,7 @@ def run_demo(quick: bool = False) -> int:
     print("drain: request A finishes with its stores in flight; request B arrives during the next step")
     mib = 32 if quick else 128
     results = [measure_drain(mode, mib) for mode in (DrainMode.NONBLOCKING, DrainMode.BLOCKING)]
-    print(
-        f"  {'mode':<12} {'stores':>8} {'B waited':>10} {'ms':>9} {"A's jobs left":>15} {'blocking waits':>15}"
-    )
+    print(f"  {'mode':<12} {'stores':>8} {'B waited':>10} {'ms':>9} {'A jobs left':>15} {'blocking waits':>15}")
     for r in results:
         print(
             f"  {r.mode.value:<12} {r.store_bytes / 2**20:>6.0f}MiB {r.steps_waited:>7} step "

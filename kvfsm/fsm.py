@@ -90,9 +90,7 @@ def compile_table(machine: Machine) -> dict[tuple[str, str], tuple[CompiledEdge,
             for tr in transitions:
                 conds = [c.func for c in tr.conditions if c.target and isinstance(c.func, str)]
                 if len(conds) != len(tr.conditions) or len(conds) > 1 or tr.dest is None:
-                    raise SpecError(
-                        f"{machine.name}: each transition needs a destination and at most one named guard"
-                    )
+                    raise SpecError(f"{machine.name}: each transition needs a destination and at most one named guard")
                 afters = [a for a in tr.after if isinstance(a, str)]
                 if len(afters) != len(tr.after) or len(afters) > 1:
                     raise SpecError(f"{machine.name}: transitions may carry at most one named effect")

@@ -53,10 +53,7 @@ def pending_work_covers_jobs(view: SystemView) -> list[str]:
 
 
 def idle_only_when_nothing_pending(view: SystemView) -> list[str]:
-    if (
-        view.engine_state in (EngineState.IDLE, EngineState.STOPPED)
-        and view.scheduler.has_pending_push_work()
-    ):
+    if view.engine_state in (EngineState.IDLE, EngineState.STOPPED) and view.scheduler.has_pending_push_work():
         return [f"engine is {view.engine_state.value} while has_pending_push_work() is True"]
     return []
 
@@ -103,9 +100,7 @@ def gpu_source_not_overwritten(view: SystemView) -> list[str]:
             continue  # the running request's own reference protects its blocks
         for block in job.gpu.block_ids:
             if job.job_id not in fences.get(block, frozenset()):
-                out.append(
-                    f"block {block} read by store job {job.job_id} of a finished request is not fenced"
-                )
+                out.append(f"block {block} read by store job {job.job_id} of a finished request is not fenced")
     return out
 
 

@@ -140,9 +140,7 @@ def load_machine(name: str) -> MachineSpec:
         raise SpecError(f"spec/{name}.toml: terminal states {extra_terminal} are not in states")
     for t in transitions:
         if t.source in terminal:
-            raise SpecError(
-                f"spec/{name}.toml: terminal state {t.source!r} has an outgoing {t.event!r} transition"
-            )
+            raise SpecError(f"spec/{name}.toml: terminal state {t.source!r} has an outgoing {t.event!r} transition")
     known = {"name", "description", "initial", "states", "terminal", "guards", "effects", "transitions"}
     return MachineSpec(
         name=raw["name"],

@@ -102,6 +102,4 @@ class EngineEvent(StrEnum):
     STOP = "stop"
 
 
-JOB_TERMINAL: frozenset[JobState] = frozenset(
-    {JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED, JobState.STALE}
-)
+JOB_TERMINAL: frozenset[JobState] = frozenset({JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED, JobState.STALE})

@@ -255,17 +255,15 @@ def test_checked_mode_runs_every_fire_through_transitions(monkeypatch: pytest.Mo
     ("value", "expected"),
     [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False), ("", False), ("no", False)],
 )
-def test_checked_mode_environment_variable(
-    monkeypatch: pytest.MonkeyPatch, value: str, expected: bool
-) -> None:
+def test_checked_mode_environment_variable(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("KVFSM_CHECKED", value)
     assert checked_mode_default() is expected
     sm = SpecMachine("slot", SlotState, SlotEvent, slot_machine()._guards)
     assert sm.checked is expected
     # An explicit argument wins over the environment.
-    assert SpecMachine(
-        "slot", SlotState, SlotEvent, slot_machine()._guards, checked=not expected
-    ).checked is (not expected)
+    assert SpecMachine("slot", SlotState, SlotEvent, slot_machine()._guards, checked=not expected).checked is (
+        not expected
+    )
 
 
 def test_checked_mode_from_environment_goes_through_transitions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,9 +394,7 @@ def test_disabled_events_raise_and_leave_the_state_unchanged(name: str) -> None:
     state_enum, event_enum = ENUMS[name]
     table = sm.table()
     all_true = dict.fromkeys(spec.guards, True)
-    disabled = [
-        (s, e) for s, e in itertools.product(state_enum, event_enum) if (s.value, e.value) not in table
-    ]
+    disabled = [(s, e) for s, e in itertools.product(state_enum, event_enum) if (s.value, e.value) not in table]
     assert disabled, "every machine has events that some state does not accept"
     for state, event in disabled:
         model = ValuationModel(state, all_true)

@@ -42,9 +42,7 @@ def store(m: CPUOffloadingManager, *ids: int) -> PrepareStoreOutput:
     return out
 
 
-Snapshot = tuple[
-    tuple[tuple[SlotState, int | None, int | None], ...], int, int, int, int, int, list[OffloadKey]
-]
+Snapshot = tuple[tuple[tuple[SlotState, int | None, int | None], ...], int, int, int, int, int, list[OffloadKey]]
 
 
 def snapshot(m: CPUOffloadingManager, universe: Iterable[int] = range(16)) -> Snapshot:

@@ -55,9 +55,7 @@ def fill_random(kv_caches: list[torch.Tensor], seed: int) -> None:
 
 
 def store_job(job_id: int, blocks: Sequence[int], slots: Sequence[int], world_size: int) -> Job:
-    return Job(
-        job_id, JobKind.STORE, "r", (), GPUBlockSpec(tuple(blocks)), SlotSpec(tuple(slots)), world_size
-    )
+    return Job(job_id, JobKind.STORE, "r", (), GPUBlockSpec(tuple(blocks)), SlotSpec(tuple(slots)), world_size)
 
 
 def load_job(
@@ -74,9 +72,7 @@ def load_job(
     )
 
 
-def meta(
-    stores: Iterable[Job] = (), loads: Iterable[Job] = (), flush: Iterable[int] = ()
-) -> ConnectorMetadata:
+def meta(stores: Iterable[Job] = (), loads: Iterable[Job] = (), flush: Iterable[int] = ()) -> ConnectorMetadata:
     return ConnectorMetadata(
         load_jobs={j.job_id: j for j in loads},
         store_jobs={j.job_id: j for j in stores},
@@ -189,9 +185,7 @@ class RecordingBackend:
         return [ids[0] for name, ids in self.calls if name == "submit"]
 
 
-def recording_worker(
-    rig: Rig, rank: int = 0, loader: bool = False
-) -> tuple[OffloadingWorker, RecordingBackend]:
+def recording_worker(rig: Rig, rank: int = 0, loader: bool = False) -> tuple[OffloadingWorker, RecordingBackend]:
     inner = backend_of(rig.loaders[rank] if loader else rig.storers[rank])
     rec = RecordingBackend(inner)
     return OffloadingWorker(rank, rig.world_size, rec), rec
@@ -284,9 +278,7 @@ def plan_round_trip(
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_layers", [1, 3])
-def test_round_trip_is_byte_exact(
-    world_size: int, blocks_per_chunk: int, dtype: torch.dtype, num_layers: int
-) -> None:
+def test_round_trip_is_byte_exact(world_size: int, blocks_per_chunk: int, dtype: torch.dtype, num_layers: int) -> None:
     rig = make_rig(world_size, blocks_per_chunk, num_layers, dtype)
     rng = random.Random(world_size * 1000 + blocks_per_chunk * 100 + num_layers)
     try:

@@ -177,9 +177,7 @@ def _names_effect(node: ast.expr) -> bool:
         return bool(_EFFECT_NAME.search(node.attr))
     if isinstance(node, ast.Call):
         func = node.func
-        called = (
-            func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-        )
+        called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
         return called in _EFFECT_CALLS or bool(_EFFECT_NAME.search(called))
     return False
 
@@ -243,9 +241,7 @@ def test_effect_scanner_finds_the_job_effects() -> None:
 
 def test_every_effect_name_in_code_is_declared() -> None:
     declared = _declared_effects()
-    undeclared = {
-        path: names - declared for path, names in _code_effect_literals().items() if names - declared
-    }
+    undeclared = {path: names - declared for path, names in _code_effect_literals().items() if names - declared}
     assert not undeclared, f"effect names used in code but not declared in spec/*.toml: {undeclared}"
 
 

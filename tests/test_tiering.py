@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -511,3 +512,54 @@ def test_touch_reaches_primary_and_tiers() -> None:
     tm.touch(keys(0), R1)
     assert primary.policy.keys() == [k(1), k(0)]
     assert tier.keys() == [k(1), k(0)]
+
+
+def test_random_operations_keep_pins_and_liveness_consistent() -> None:
+    rng = random.Random(5)
+    tm, primary, tiers = make(num_slots=6, tiers=2)
+    loads: list[list[OffloadKey]] = []  # keys pinned by open GPU loads
+    for _ in range(1500):
+        op = rng.randrange(7)
+        ctx = ReqContext(f"r{rng.randrange(3)}")
+        if op == 0:
+            out = tm.prepare_store(keys(*(rng.randrange(20) for _ in range(rng.randrange(1, 3)))), ctx)
+            if out is not None and out.keys_to_store:
+                tm.complete_store(out.keys_to_store, ctx, success=rng.random() < 0.9)
+        elif op == 1:
+            key = k(rng.randrange(20))
+            if tm.lookup(key, ctx) is HIT and rng.random() < 0.5:
+                tm.prepare_load([key], ctx)
+                loads.append([key])
+        elif op == 2 and loads:
+            tm.complete_load(loads.pop(rng.randrange(len(loads))), ctx)
+        elif op == 3:
+            tier = rng.choice(tiers)
+            for jid in tier.pending_job_ids():
+                if rng.random() < 0.5:
+                    tier.complete(jid, success=rng.random() < 0.8)
+        elif op in (4, 5):
+            tm.on_schedule_end()
+        elif rng.random() < 0.02:
+            tm.reset_cache()
+            loads.clear()
+        # Every pending tier job is in flight in the manager, with its primary slots in the right state.
+        for tier in tiers:
+            for jid in tier.pending_job_ids():
+                job = tm.transfer_job(jid)
+                assert job.state is JobState.IN_FLIGHT
+                want = SlotState.WRITING if job.kind is JobKind.PROMOTE else SlotState.READING
+                assert all(primary.slot_state(x) is want for x in job.keys)
+        assert tm.has_pending_work() is (tm.num_transfer_jobs > 0)
+        assert primary.num_free + primary.num_writing + primary.num_reading + primary.num_evictable == 6
+        assert primary.num_evictable == primary.policy.num_evictable
+    for tier in tiers:
+        tier.complete_all()
+    tm.on_schedule_end()
+    tm.on_schedule_end()  # submitted promotions queued by nobody: nothing left
+    for tier in tiers:
+        tier.complete_all()
+    tm.on_schedule_end()
+    assert tm.has_pending_work() is False
+    assert primary.num_writing == 0
+    pinned = sum(len(x) for x in loads)
+    assert sum(primary.ref_cnt(k(i)) or 0 for i in range(20)) == pinned

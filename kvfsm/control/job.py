@@ -57,10 +57,7 @@ class Job:
         self.machine = machine if machine is not None else job_machine()
 
     def __repr__(self) -> str:
-        return (
-            f"Job({self.job_id}, {self.kind.value}, req={self.req_id!r}, "
-            f"{self.state.value}, pending={self.pending})"
-        )
+        return f"Job({self.job_id}, {self.kind.value}, req={self.req_id!r}, {self.state.value}, pending={self.pending})"
 
     @property
     def is_terminal(self) -> bool:
@@ -81,8 +78,7 @@ class Job:
     def _check_count(self, count: int, what: str) -> None:
         if self.state is JobState.IN_FLIGHT and not 0 < count <= self.pending:
             raise AckCountError(
-                f"job {self.job_id}: {count} {what} reported but {self.pending} pending; "
-                f"expected 1..{self.pending}"
+                f"job {self.job_id}: {count} {what} reported but {self.pending} pending; expected 1..{self.pending}"
             )
 
     def ack(self, count: int = 1) -> str | None:

@@ -177,8 +177,7 @@ class InMemoryTier(SecondaryTier):
     def _store(self, job: TierJob) -> bool:
         io = self.slot_io
         items = [
-            (key, None if io is None else io.read_slot(sid))
-            for key, sid in zip(job.keys, job.slot_ids, strict=True)
+            (key, None if io is None else io.read_slot(sid)) for key, sid in zip(job.keys, job.slot_ids, strict=True)
         ]
         self._insert(items)
         return True

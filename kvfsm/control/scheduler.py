@@ -142,9 +142,7 @@ class _Batch:
 class OffloadingScheduler:
     """vLLM's OffloadingConnectorScheduler, over the spec's job and request machines."""
 
-    def __init__(
-        self, config: OffloadConfig, manager: OffloadingManager, *, checked: bool | None = None
-    ) -> None:
+    def __init__(self, config: OffloadConfig, manager: OffloadingManager, *, checked: bool | None = None) -> None:
         self.config = config
         self.manager = manager
         self._job_machine = job_machine(checked)
@@ -272,9 +270,7 @@ class OffloadingScheduler:
         self._requests[request.req_id] = _RequestState(request)
         self.manager.on_new_request(ReqContext(request.req_id))
 
-    def get_num_new_matched_tokens(
-        self, request: OffloadRequest, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: OffloadRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the GPU prefix cache that can be loaded: (None, False) means ask again later."""
         st = self._requests.get(request.req_id)
         if st is None:
@@ -347,9 +343,7 @@ class OffloadingScheduler:
             )
         keys = tuple(self._keys(request)[first_block // bpc : end_block // bpc])
         if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
-            raise KvfsmError(
-                f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load"
-            )
+            raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
         self._fire(st, RequestEvent.START_LOAD)
         st.block_ids = list(block_ids)
@@ -371,9 +365,7 @@ class OffloadingScheduler:
         for sched in output.scheduled:
             st = self._requests.get(sched.req_id)
             if st is None:
-                raise UnknownRequestError(
-                    f"scheduled request {sched.req_id!r} is not tracked by the connector"
-                )
+                raise UnknownRequestError(f"scheduled request {sched.req_id!r} is not tracked by the connector")
             if sched.admitted:
                 st.block_ids = list(sched.new_block_ids)  # fresh ones are in allocated_block_ids
             else:
@@ -558,9 +550,7 @@ class OffloadingScheduler:
     def reset_cache(self) -> None:
         """Drop every offloaded block; in-flight jobs become stale and are flushed by the next step."""
         if not self._batch.is_empty():
-            raise KvfsmError(
-                "reset_cache called mid-step (loads planned but not yet sent); call it between steps"
-            )
+            raise KvfsmError("reset_cache called mid-step (loads planned but not yet sent); call it between steps")
         for job in self._jobs.values():
             if job.state in (JobState.SUBMITTED, JobState.IN_FLIGHT):
                 job.discard()

@@ -110,9 +110,7 @@ class ThreadPoolCopyBackend:
         if len(kv_caches) != pool.num_layers:
             raise ConfigError(f"got {len(kv_caches)} KV-cache layers; the pool has {pool.num_layers} layers")
         if blocks_per_chunk != pool.blocks_per_chunk:
-            raise ConfigError(
-                f"blocks_per_chunk={blocks_per_chunk!r}; expected the pool's {pool.blocks_per_chunk}"
-            )
+            raise ConfigError(f"blocks_per_chunk={blocks_per_chunk!r}; expected the pool's {pool.blocks_per_chunk}")
         if not is_int(max_workers) or max_workers < 1:
             raise ConfigError(f"max_workers must be a positive int, got {max_workers!r}")
         first = kv_caches[0]
@@ -125,9 +123,7 @@ class ThreadPoolCopyBackend:
                     f"to match the pool's block shape"
                 )
             if layer.shape[0] != first.shape[0]:
-                raise ConfigError(
-                    f"layer {i} has {layer.shape[0]} blocks; expected {first.shape[0]} like layer 0"
-                )
+                raise ConfigError(f"layer {i} has {layer.shape[0]} blocks; expected {first.shape[0]} like layer 0")
             if layer.dtype != pool.dtype:
                 raise ConfigError(f"layer {i} has dtype {layer.dtype}; expected the pool's {pool.dtype}")
             if layer.device != first.device:
@@ -310,9 +306,7 @@ class ThreadPoolCopyBackend:
             else:
                 n = int(cpu_rows.numel())
                 for kv, flat in zip(self.kv_caches, self.pool.flat_layers, strict=True):
-                    host = torch.empty(
-                        (n, *self.pool.block_shape), dtype=flat.dtype, pin_memory=self.pool.pinned
-                    )
+                    host = torch.empty((n, *self.pool.block_shape), dtype=flat.dtype, pin_memory=self.pool.pinned)
                     torch.index_select(flat, 0, cpu_rows, out=host)
                     kv.index_copy_(0, gidx, host.to(self.device, non_blocking=True))
                     staged.append(host)  # alive until the DMA has read it

@@ -70,8 +70,7 @@ class KVCacheSpec:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ConfigError(
-                f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-                f"got {self.device!r}"
+                f"device must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {self.device!r}"
             ) from exc
 
     @property
@@ -97,10 +96,7 @@ class KVCacheSpec:
 
 def allocate_kv_caches(spec: KVCacheSpec) -> list[torch.Tensor]:
     """One zero-filled tensor per layer, each of shape ``spec.layer_shape``."""
-    return [
-        torch.zeros(spec.layer_shape, dtype=spec.dtype, device=spec.torch_device)
-        for _ in range(spec.num_layers)
-    ]
+    return [torch.zeros(spec.layer_shape, dtype=spec.dtype, device=spec.torch_device) for _ in range(spec.num_layers)]
 
 
 def head_shard(num_heads: int, world_size: int, rank: int) -> slice:

@@ -69,8 +69,7 @@ class CPUSlotPool:
         if want_pin:
             try:
                 self.layers = [
-                    torch.zeros(full_shape, dtype=dtype, device="cpu", pin_memory=True)
-                    for _ in range(self.num_layers)
+                    torch.zeros(full_shape, dtype=dtype, device="cpu", pin_memory=True) for _ in range(self.num_layers)
                 ]
                 self.pinned = True
             except RuntimeError as exc:
@@ -120,9 +119,7 @@ class CPUSlotPool:
         self._check_slot(slot_id)
         raw = bytes(data) if isinstance(data, memoryview) else data
         if len(raw) != self.nbytes_per_slot:
-            raise ConfigError(
-                f"slot data has {len(raw)} bytes; expected nbytes_per_slot={self.nbytes_per_slot}"
-            )
+            raise ConfigError(f"slot data has {len(raw)} bytes; expected nbytes_per_slot={self.nbytes_per_slot}")
         src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         offset = 0
         for dst in self._slot_bytes_views(slot_id):

@@ -148,9 +148,7 @@ class OffloadingWorker:
             if job.kind is not kind:
                 raise ConfigError(f"job {job.job_id} is a {job.kind.value} job; expected a {kind.value} job")
             if job.world_size != self.world_size:
-                raise ConfigError(
-                    f"job {job.job_id} has world_size={job.world_size}; expected {self.world_size}"
-                )
+                raise ConfigError(f"job {job.job_id} has world_size={job.world_size}; expected {self.world_size}")
             if not self._launched_here(job):
                 fresh.append(job)
         return fresh

@@ -129,9 +129,7 @@ class ReferenceEngine:
         self.kv_caches = allocate_kv_caches(self.kv_spec)
         self.block_pool = BlockPool(cfg.num_gpu_blocks)
         self.manager = (
-            manager
-            if manager is not None
-            else CPUOffloadingManager(cfg.num_cpu_slots, cfg.policy, checked=cfg.checked)
+            manager if manager is not None else CPUOffloadingManager(cfg.num_cpu_slots, cfg.policy, checked=cfg.checked)
         )
         offload = OffloadConfig(
             cfg.tokens_per_block, cfg.blocks_per_chunk, cfg.world_size, cfg.drain, cfg.offload_prompt_only
@@ -186,9 +184,7 @@ class ReferenceEngine:
         """Queue a request; thread-safe. It is admitted at the start of the next step."""
         with self._inbox_lock:
             if request.req_id in self.requests or any(r.req_id == request.req_id for r in self._inbox):
-                raise DuplicateRequestError(
-                    f"request id {request.req_id!r} is already in use; expected a new id"
-                )
+                raise DuplicateRequestError(f"request id {request.req_id!r} is already in use; expected a new id")
             request.arrival_time = time.perf_counter()
             self._inbox.append(request)
 
@@ -208,9 +204,7 @@ class ReferenceEngine:
     def abort(self, req_id: str) -> None:
         req = self.requests.get(req_id)
         if req is None or req.is_finished:
-            raise UnknownRequestError(
-                f"request {req_id!r} is not live; expected a waiting or running request"
-            )
+            raise UnknownRequestError(f"request {req_id!r} is not live; expected a waiting or running request")
         req.aborted = True
         if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
             # Its blocks are the load's destination: free them only once the load is done.
@@ -405,11 +399,7 @@ class ReferenceEngine:
             for b in range(start // tpb, -(-end // tpb)):
                 full = (b + 1) * tpb <= end
                 # A partly written block gets a value of its own; it is never offloaded.
-                key = (
-                    hashes[b]
-                    if full
-                    else b"partial" + (hashes[b - 1] if b else b"") + end.to_bytes(4, "little")
-                )
+                key = hashes[b] if full else b"partial" + (hashes[b - 1] if b else b"") + end.to_bytes(4, "little")
                 block_id = req.block_ids[b]
                 for layer, kv in enumerate(self.kv_caches):
                     kv[block_id].copy_(self.expected_block(key, layer).to(kv.device))

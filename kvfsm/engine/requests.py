@@ -14,15 +14,11 @@ def _hash_block(parent: bytes, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-def chain_block_hashes(
-    token_ids: list[int], tokens_per_block: int, prefix: list[bytes] | None = None
-) -> list[bytes]:
+def chain_block_hashes(token_ids: list[int], tokens_per_block: int, prefix: list[bytes] | None = None) -> list[bytes]:
     """Hash every full block, each hash covering its whole prefix (as vLLM's prefix caching does)."""
     hashes = list(prefix or [])
     parent = hashes[-1] if hashes else b"kvfsm-root"
-    for start in range(
-        len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block
-    ):
+    for start in range(len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
         parent = _hash_block(parent, token_ids[start : start + tokens_per_block])
         hashes.append(parent)
     return hashes
@@ -108,9 +104,7 @@ class EngineRequest:
     @property
     def block_hashes(self) -> list[bytes]:
         if len(self._block_hashes) < self.num_tokens // self.tokens_per_block:
-            self._block_hashes = chain_block_hashes(
-                self.all_token_ids, self.tokens_per_block, self._block_hashes
-            )
+            self._block_hashes = chain_block_hashes(self.all_token_ids, self.tokens_per_block, self._block_hashes)
         return self._block_hashes
 
     def sample_next(self) -> int:
