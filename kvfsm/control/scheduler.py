@@ -148,6 +148,9 @@ class OffloadingScheduler:
         self._job_machine = job_machine(checked)
         self._req_machine: SpecMachine[RequestState, RequestEvent] = request_machine(checked)
         self._requests: dict[str, _RequestState] = {}
+        # Finished requests whose final stores are planned at the next build_connector_meta.
+        self._finished_unsignalled: dict[str, _RequestState] = {}
+        self._num_finished = 0  # tracked requests in a finished_* state, so "any live request?" is O(1)
         self._jobs: dict[int, Job] = {}
         self._job_counter = 0
         self._stale_threshold = 0
@@ -172,6 +175,10 @@ class OffloadingScheduler:
 
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._requests
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
 
     def jobs(self) -> dict[int, Job]:
         """Every job still awaited (a copy)."""
@@ -390,25 +397,22 @@ class OffloadingScheduler:
                 self.stats.fence_flushes += 1
                 batch.flush.update(jobs)
 
+        # O(scheduled + newly finished requests), never O(all requests or jobs).
         new_stores: dict[int, Job] = {}
-        scheduled_tokens = {s.req_id: s.num_scheduled_tokens for s in output.scheduled}
-        finished: list[_RequestState] = []
-        for st in list(self._requests.values()):
-            if st.state is RequestState.FINISHED_UNSIGNALLED:
-                finished.append(st)
-                self._plan_stores(st, None, new_stores)
-            elif st.ctx.req_id in scheduled_tokens and st.state is RequestState.RUNNING:
-                self._plan_stores(st, scheduled_tokens[st.ctx.req_id], new_stores)
-
+        for sched in output.scheduled:
+            st = self._requests[sched.req_id]
+            if st.state is RequestState.RUNNING:
+                self._plan_stores(st, sched.num_scheduled_tokens, new_stores)
+        finished = list(self._finished_unsignalled.values())
+        self._finished_unsignalled.clear()
+        for st in finished:
+            self._plan_stores(st, None, new_stores)
         for st in finished:
             self._fire(st, RequestEvent.SIGNAL)
             if not st.jobs:
                 self._delete(st)
 
-        if self.config.drain is DrainMode.BLOCKING and not any(
-            s.state not in (RequestState.FINISHED_SIGNALLED, RequestState.FINISHED_UNSIGNALLED)
-            for s in self._requests.values()
-        ):
+        if self.config.drain is DrainMode.BLOCKING and self._num_finished == len(self._requests):
             # The pre-#45595 baseline: no live request left, so flush everything now (blocking).
             batch.flush.update(self._jobs)
 
@@ -530,6 +534,7 @@ class OffloadingScheduler:
     def _delete(self, st: _RequestState) -> None:
         self._fire(st, RequestEvent.DELETE)
         del self._requests[st.ctx.req_id]
+        self._num_finished -= 1
 
     def request_finished(self, request: OffloadRequest) -> bool:
         """The engine finished or aborted the request; its GPU blocks are freed at once (returns False)."""
@@ -541,6 +546,8 @@ class OffloadingScheduler:
             return False
         st.request = request
         self._fire(st, RequestEvent.FINISH)
+        self._finished_unsignalled[request.req_id] = st
+        self._num_finished += 1
         for job_id in st.jobs:
             job = self._jobs[job_id]
             if job.kind is JobKind.STORE:
@@ -567,12 +574,14 @@ class OffloadingScheduler:
                 self._fire(st, RequestEvent.RESET)
             if st.state is RequestState.DELETED:
                 del self._requests[st.ctx.req_id]
+                self._num_finished -= 1
         self.manager.reset_cache()
         self._stale_threshold = self._job_counter
         self._jobs.clear()
         self._fences.clear()
         self._job_fence_blocks.clear()
         self._chunks_being_loaded.clear()
+        self._finished_unsignalled.clear()
         self._events.clear()
 
     def shutdown(self) -> None:

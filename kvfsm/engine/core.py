@@ -249,7 +249,7 @@ class ReferenceEngine:
             self.step_count,
             self.state,
             tuple(s.req_id for s in plan.scheduled),
-            len(self.scheduler.jobs()),
+            self.scheduler.num_jobs,
             len(meta.jobs_to_flush),
             self.has_pending_push_work(),
         )
@@ -432,10 +432,19 @@ class ReferenceEngine:
                 self.integrity.loads_failed += 1  # recompute from the local prefix
             else:
                 self._verify_loaded(req, req.num_computed_tokens, external)
+                self._cache_loaded(req, req.num_computed_tokens, external)
                 req.num_computed_tokens += external
                 self.integrity.loads_completed += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def _cache_loaded(self, req: EngineRequest, num_local: int, external: int) -> None:
+        """Loaded blocks join the GPU prefix cache (as vLLM caches them once the load is done), so a
+        request deferred while this one loaded the same chunks hits them instead of loading again."""
+        tpb = self.config.tokens_per_block
+        hashes = req.block_hashes
+        for b in range(num_local // tpb, (num_local + external) // tpb):
+            self.block_pool.cache(req.block_ids[b], hashes[b])
 
     def _verify_loaded(self, req: EngineRequest, num_local: int, external: int) -> None:
         tpb = self.config.tokens_per_block
