@@ -84,6 +84,7 @@ class DrainResult:
     #: A's store jobs still uncommitted when B was scheduled (0 means B waited for all of them).
     a_jobs_in_flight_when_scheduled: int
     blocking_waits: int
+    timeline: str
 
 
 def measure_drain(mode: DrainMode, store_mib: int = 64, seed: int = 0) -> DrainResult:
@@ -120,7 +121,8 @@ def measure_drain(mode: DrainMode, store_mib: int = 64, seed: int = 0) -> DrainR
     steps = b.first_scheduled_step - arrival_step
     engine.run_until_idle()
     engine.shutdown()
-    return DrainResult(mode, blocks * block_bytes, steps, waited_ms, in_flight, engine.blocking_waits)
+    timeline = compress_timeline([rec.state for rec in engine.timeline])
+    return DrainResult(mode, blocks * block_bytes, steps, waited_ms, in_flight, engine.blocking_waits, timeline)
 
 
 def run_demo(quick: bool = False) -> int:
@@ -166,6 +168,8 @@ def run_demo(quick: bool = False) -> int:
             f"  {r.mode.value:<12} {r.store_bytes / 2**20:>6.0f}MiB {r.steps_waited:>7} step "
             f"{r.ms_waited:>9.2f} {r.a_jobs_in_flight_when_scheduled:>15} {r.blocking_waits:>15}"
         )
+    for r in results:
+        print(f"  {r.mode.value} timeline: {r.timeline}")
     nb, bl = results
     ratio = bl.ms_waited / nb.ms_waited if nb.ms_waited > 0 else float("inf")
     print(f"  blocking / non-blocking wait: {ratio:.1f}x")
