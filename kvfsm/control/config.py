@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvfsm.errors import ConfigError
+from kvfsm.validation import require_positive_int
 
 __all__ = ["DrainMode", "OffloadConfig"]
 
@@ -29,9 +30,7 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_block", "blocks_per_chunk", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
         if not isinstance(self.drain, DrainMode):
             raise ConfigError(f"drain must be one of {[m.value for m in DrainMode]}, got {self.drain!r}")
 

@@ -14,6 +14,7 @@ from typing import cast
 import torch
 
 from kvfsm.errors import ConfigError
+from kvfsm.validation import is_int, require_positive_int
 
 __all__ = [
     "KVCacheSpec",
@@ -38,15 +39,7 @@ def same_device(actual: torch.device, expected: torch.device) -> bool:
     return actual.type == expected.type and (index is None or actual.index == index)
 
 
-def is_int(value: object) -> bool:
-    """True for an int that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
+_check_positive = require_positive_int
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,14 +16,12 @@ import torch
 
 from kvfsm.data.layout import is_int
 from kvfsm.errors import ConfigError
+from kvfsm.validation import require_positive_int
 
 __all__ = ["CPUSlotPool"]
 
 
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
+_positive = require_positive_int
 
 
 class CPUSlotPool:

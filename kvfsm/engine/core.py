@@ -29,6 +29,7 @@ from kvfsm.engine.requests import EngineRequest, RequestStatus
 from kvfsm.errors import ConfigError, DuplicateRequestError, UnknownRequestError
 from kvfsm.machines import engine_machine
 from kvfsm.states import EngineEvent, EngineState
+from kvfsm.validation import require_positive_int
 
 __all__ = ["EngineConfig", "IntegrityStats", "ReferenceEngine", "StepRecord"]
 
@@ -65,9 +66,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "copy_threads",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
         if self.num_heads % self.world_size:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not divisible by world_size={self.world_size}; "
