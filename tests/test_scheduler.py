@@ -1,0 +1,661 @@
+"""The scheduler half (OffloadingScheduler) on its own: no torch, no engine.
+
+Each test drives the scheduler the way vLLM's engine does (lookup, allocation, per-step metadata, summed
+worker outputs) with a real CPUOffloadingManager, FakeRequests and LoopbackWorkers that launch every job
+and report outcomes only when the test says so. These re-create vLLM's offloading-connector scheduler
+tests (design reference, section 15) in kvfsm's terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pytest
+from helpers import FakeRequest, LoopbackWorkers, keys_of, tokens
+
+from kvfsm.control.config import DrainMode, OffloadConfig
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.job import Job
+from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
+from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
+from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
+from kvfsm.control.types import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+)
+from kvfsm.errors import (
+    AckCountError,
+    ConfigError,
+    DuplicateRequestError,
+    KeyNotReadyError,
+    UnknownJobError,
+)
+from kvfsm.states import JobKind, JobState, RequestState, SlotState
+
+TPB = 4  # tokens per block
+CTX = ReqContext("probe")
+
+
+class Harness:
+    """A scheduler, its CPU manager and W loopback workers, plus the engine-side moves tests need."""
+
+    def __init__(
+        self,
+        world_size: int = 1,
+        *,
+        blocks_per_chunk: int = 1,
+        num_slots: int = 16,
+        drain: DrainMode = DrainMode.NONBLOCKING,
+    ) -> None:
+        self.config = OffloadConfig(TPB, blocks_per_chunk, world_size, drain)
+        self.manager = CPUOffloadingManager(num_slots)
+        self.sched = OffloadingScheduler(self.config, self.manager)
+        self.workers = LoopbackWorkers(world_size)
+
+    def request(self, req_id: str, seed: str, num_tokens: int) -> FakeRequest:
+        return FakeRequest(req_id, tokens(seed, num_tokens), TPB)
+
+    def keys(self, req: FakeRequest) -> list[OffloadKey]:
+        return keys_of(req.block_hashes, self.config.blocks_per_chunk)
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        return self.manager.lookup(key, CTX)
+
+    def admit(self, req: FakeRequest, block_ids: Sequence[int], num_computed: int = 0) -> ScheduledRequest:
+        """Admit a request that loads nothing: it computes everything past ``num_computed``."""
+        external, is_async = self.sched.get_num_new_matched_tokens(req, num_computed)
+        assert (external, is_async) == (0, False)
+        self.sched.update_state_after_alloc(req, block_ids, 0)
+        return ScheduledRequest(req.req_id, tuple(block_ids), req.num_tokens - num_computed, admitted=True)
+
+    def step(
+        self,
+        scheduled: Iterable[ScheduledRequest] = (),
+        *,
+        preempted: Iterable[str] = (),
+        allocated: Iterable[int] = (),
+    ) -> ConnectorMetadata:
+        meta = self.sched.build_connector_meta(
+            SchedulerOutput(tuple(scheduled), frozenset(preempted), frozenset(allocated))
+        )
+        self.workers.deliver(meta)
+        return meta
+
+    def prefill(self, req: FakeRequest, block_ids: Sequence[int]) -> ConnectorMetadata:
+        """One step that admits and computes the whole prompt; returns its metadata (the stores)."""
+        meta = self.step([self.admit(req, block_ids)], allocated=block_ids)
+        req.num_computed_tokens = req.num_tokens
+        return meta
+
+    def finish(self, req: FakeRequest) -> ConnectorMetadata:
+        """The request samples its last token and finishes; the next step plans and signals."""
+        req.token_ids.append(7)
+        assert self.sched.request_finished(req) is False  # GPU blocks are freed at once
+        return self.step()
+
+    def ack(self, job_id: int, ranks: Iterable[int] | None = None, *, ok: bool = True) -> None:
+        self.sched.update_connector_output(self.workers.report(job_id, ranks, ok=ok))
+
+    def ack_all(self) -> None:
+        self.sched.update_connector_output(self.workers.report_all())
+
+
+def only(jobs: Mapping[int, Job]) -> int:
+    assert len(jobs) == 1, jobs
+    (job_id,) = jobs
+    return job_id
+
+
+def snapshot(h: Harness, keys: Iterable[OffloadKey], req_ids: Iterable[str]) -> dict[str, object]:
+    """Everything an operation that raises must leave as it was."""
+    s = h.sched
+    return {
+        "jobs": {j: (job.state, job.pending, job.launched_mask, job.failed_reports) for j, job in s.jobs().items()},
+        "requests": {r: (s.request_state(r), s.request_jobs(r)) for r in req_ids},
+        "slots": {k: (h.manager.slot_state(k), h.manager.ref_cnt(k), h.manager.slot_id(k)) for k in keys},
+        "stats": dataclasses.asdict(s.stats),
+        "manager": h.manager.stats(),
+        "fences": s.fenced_blocks(),
+        "loading": s.chunks_being_loaded(),
+        "ids": (s.stale_threshold, s.job_counter),
+        "pending": s.has_pending_push_work(),
+    }
+
+
+# ------------------------------------------------------------------------------------------- the drain
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_last_stores_drain_without_flush_and_commit_on_the_wth_ack(world_size: int) -> None:
+    h = Harness(world_size)
+    a = h.request("A", "a", 8)
+    store_meta = h.prefill(a, [0, 1])
+    job_id = only(store_meta.store_jobs)
+    job = store_meta.store_jobs[job_id]
+    assert job.kind is JobKind.STORE and job.gpu.block_ids == (0, 1) and job.pending == world_size
+
+    meta = h.finish(a)
+    assert meta.jobs_to_flush == frozenset()  # no flush: the stores drain by stepping
+    assert not meta.store_jobs and not meta.load_jobs
+    assert h.sched.has_pending_push_work()
+    assert h.sched.request_state("A") is RequestState.FINISHED_SIGNALLED
+    assert h.sched.fenced_blocks() == {0: frozenset({job_id}), 1: frozenset({job_id})}
+
+    keys = h.keys(a)
+    for rank in range(world_size):
+        assert [h.lookup(k) for k in keys] == [LookupResult.HIT_PENDING] * 2
+        assert h.sched.stats.committed_stores == 0
+        assert h.step().jobs_to_flush == frozenset()  # an empty drain step flushes nothing
+        h.ack(job_id, [rank])
+        if rank < world_size - 1:
+            assert job.state is JobState.IN_FLIGHT and job.pending == world_size - rank - 1
+            assert h.sched.has_pending_push_work() and h.sched.is_tracked("A")
+    assert job.state is JobState.COMPLETE and job.pending == 0
+    assert [h.lookup(k) for k in keys] == [LookupResult.HIT] * 2
+    assert h.sched.stats.committed_stores == 1
+    assert not h.sched.has_pending_push_work()
+    assert not h.sched.is_tracked("A") and h.sched.request_state("A") is RequestState.DELETED
+    assert h.sched.fenced_blocks() == {}
+
+
+def test_blocking_baseline_flushes_every_job_once_no_live_request_remains() -> None:
+    h = Harness(2, drain=DrainMode.BLOCKING)
+    a, b = h.request("A", "a", 8), h.request("B", "b", 8)
+    job_a = only(h.prefill(a, [0, 1]).store_jobs)
+    job_b = only(h.prefill(b, [2, 3]).store_jobs)
+    meta = h.finish(a)
+    assert meta.jobs_to_flush == frozenset()  # B is still live
+    meta = h.finish(b)
+    assert meta.jobs_to_flush == {job_a, job_b}
+
+
+# ------------------------------------------------------------------------------------------- fences
+
+
+@pytest.mark.parametrize("load", [True, False], ids=["load-destination", "fresh-block"])
+def test_fence_flush_at_update_state_after_alloc(load: bool) -> None:
+    h = Harness()
+    z = h.request("Z", "z", 8)
+    h.prefill(z, [5, 6])
+    h.finish(z)
+    h.ack_all()  # Z's two chunks are ready in the CPU tier
+    assert h.sched.fenced_blocks() == {}
+
+    a = h.request("A", "a", 8)
+    job_a = only(h.prefill(a, [0, 1]).store_jobs)
+    h.finish(a)
+    assert set(h.sched.fenced_blocks()) == {0, 1}
+
+    # The engine's tiny GPU pool hands A's freed block 1 to B.
+    if load:
+        b = FakeRequest("B", z.token_ids[:8], TPB)  # Z's prompt: its first chunk is a CPU hit
+        external, is_async = h.sched.get_num_new_matched_tokens(b, 0)
+        assert (external, is_async) == (4, True)
+        h.sched.update_state_after_alloc(b, [1, 2], 4)  # block 1 is the load's destination
+    else:
+        b = h.request("B", "b", 8)
+        h.admit(b, [1, 2])
+    meta = h.step()
+    assert meta.jobs_to_flush == {job_a}
+    assert h.sched.stats.fence_flushes == 1
+    if load:
+        load_id = only(meta.load_jobs)
+        assert meta.load_jobs[load_id].gpu.block_ids == (1,)
+    h.ack(job_a)
+    assert h.sched.fenced_blocks() == {}
+    assert not h.sched.is_tracked("A")
+
+
+def test_fence_flush_at_store_job_build_for_a_finished_request() -> None:
+    """A finished request's final store (retried after an allocation failure) reads a block that the same
+    batch re-allocates: it is flushed in the very metadata that creates it."""
+    h = Harness(num_slots=2)
+    x = h.request("X", "x", 8)
+    job_x = only(h.prefill(x, [4, 5]).store_jobs)  # fills both slots (writing)
+    a = h.request("A", "a", 4)
+    meta = h.step([h.admit(a, [0])], allocated=[0])
+    a.num_computed_tokens = 4
+    assert not meta.store_jobs and h.sched.stats.allocation_failures == 1  # nothing evictable
+    h.ack(job_x)  # X's slots become ready, hence evictable
+    a.token_ids.append(7)
+    h.sched.request_finished(a)  # block 0 is free again; A's chunk is not stored yet
+
+    b = h.request("B", "b", 4)
+    h.admit(b, [0])  # the engine re-allocates block 0 in the same batch
+    meta = h.step()
+    job_a = only(meta.store_jobs)
+    assert meta.store_jobs[job_a].gpu.block_ids == (0,)
+    assert meta.jobs_to_flush == {job_a}
+    assert h.sched.stats.fence_flushes == 1
+    assert h.sched.stats.allocation_failures == 1  # the retry at finish succeeded
+    assert h.sched.request_state("A") is RequestState.FINISHED_SIGNALLED
+
+
+def test_preemption_flushes_the_requests_stores_and_defers_readmission() -> None:
+    h = Harness()
+    a = h.request("A", "a", 12)
+    job_a = only(h.prefill(a, [0, 1, 2]).store_jobs)
+    meta = h.step(preempted=["A"])
+    assert meta.jobs_to_flush == {job_a}
+    assert h.sched.stats.preemption_flushes == 1
+    assert h.sched.request_state("A") is RequestState.PREEMPTED
+
+    a.num_computed_tokens = 0
+    assert h.sched.get_num_new_matched_tokens(a, 0) == (None, False)  # its own stores are unacked
+    assert h.sched.request_state("A") is RequestState.DEFERRED
+    h.ack(job_a)
+    # Re-admission loads what it stored (all but the last chunk, whose last token is recomputed).
+    assert h.sched.get_num_new_matched_tokens(a, 0) == (8, True)
+    h.sched.update_state_after_alloc(a, [3, 4, 5], 8)
+    load = h.step().load_jobs
+    assert [j.gpu.block_ids for j in load.values()] == [(3, 4)]
+
+
+# ------------------------------------------------------------------------------------------- lookups
+
+
+def test_concurrent_lookups_of_the_same_prefix_give_exactly_one_load() -> None:
+    h = Harness()
+    a = h.request("A", "a", 8)
+    h.prefill(a, [0, 1])
+    h.finish(a)
+    h.ack_all()
+    key0 = h.keys(a)[0]
+
+    # The GPU prefix cache was reset: B and C (A's prompt) both start from zero computed tokens.
+    b = FakeRequest("B", a.token_ids[:8], TPB)
+    c = FakeRequest("C", a.token_ids[:8], TPB)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
+    h.sched.update_state_after_alloc(b, [2, 3], 4)
+    assert h.sched.chunks_being_loaded() == {key0}
+
+    assert h.sched.get_num_new_matched_tokens(c, 0) == (None, False)  # B loads it: defer
+    assert h.sched.request_state("C") is RequestState.DEFERRED
+    assert h.sched.request_jobs("C") == frozenset()
+    meta = h.step()
+    load_b = only(meta.load_jobs)
+    assert meta.load_jobs[load_b].req_id == "B" and not meta.store_jobs
+    assert h.sched.get_num_new_matched_tokens(c, 0) == (None, False)  # still loading: defer again
+
+    h.ack(load_b)
+    assert h.sched.chunks_being_loaded() == frozenset()
+    assert h.sched.request_state("B") is RequestState.RUNNING
+    # C now hits the GPU prefix cache (block 2 holds the chunk): nothing left to load.
+    assert h.sched.get_num_new_matched_tokens(c, 4) == (0, False)
+    h.sched.update_state_after_alloc(c, [2, 4], 0)
+    assert not h.step().load_jobs
+    assert h.sched.stats.load_jobs == 1
+    assert h.sched.stats.committed_loads == 1
+    assert h.sched.fenced_blocks() == {}
+
+
+def test_aborted_loading_request_stays_tracked_until_its_load_completes() -> None:
+    h = Harness(2)
+    a = h.request("A", "a", 8)
+    h.prefill(a, [0, 1])
+    h.finish(a)
+    h.ack_all()
+    key0 = h.keys(a)[0]
+
+    b = FakeRequest("B", a.token_ids[:8], TPB)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
+    h.sched.update_state_after_alloc(b, [2, 3], 4)
+    load_b = only(h.step().load_jobs)
+    assert h.manager.slot_state(key0) is SlotState.READING
+
+    b.is_aborted = True
+    h.sched.request_finished(b)
+    meta = h.step()
+    assert not meta.store_jobs and meta.jobs_to_flush == frozenset()  # an aborted load stores nothing
+    assert h.sched.is_tracked("B")
+    assert h.sched.request_state("B") is RequestState.FINISHED_SIGNALLED
+    assert h.sched.has_pending_push_work()
+
+    h.ack(load_b, [0])
+    assert h.sched.is_tracked("B")  # one of two ranks is still writing B's blocks
+    h.ack(load_b, [1])
+    assert not h.sched.is_tracked("B")
+    assert h.manager.slot_state(key0) is SlotState.READY
+    assert not h.sched.has_pending_push_work()
+
+
+# ------------------------------------------------------------------------------------------- eviction
+
+
+def test_eviction_never_takes_writing_or_reading_slots_and_failed_allocation_is_retried() -> None:
+    h = Harness(num_slots=3)
+    a = h.request("A", "a", 12)
+    job_a = only(h.prefill(a, [0, 1, 2]).store_jobs)
+    ka = h.keys(a)
+    assert [h.manager.slot_state(k) for k in ka] == [SlotState.WRITING] * 3
+
+    # B's chunk cannot be stored: the only slots are writing.
+    b = h.request("B", "b", 4)
+    sched_b = h.admit(b, [3])
+    assert not h.step([sched_b], allocated=[3]).store_jobs
+    b.num_computed_tokens = 4
+    assert h.sched.stats.allocation_failures == 1
+    assert not h.step([ScheduledRequest("B", (), 0)]).store_jobs  # retried next step, fails again
+    assert h.sched.stats.allocation_failures == 2
+    assert [h.manager.slot_state(k) for k in ka] == [SlotState.WRITING] * 3
+
+    h.ack(job_a)
+    # C loads A's first two chunks: those slots are now being read.
+    c = FakeRequest("C", a.token_ids[:12], TPB)
+    assert h.sched.get_num_new_matched_tokens(c, 0) == (8, True)
+    h.sched.update_state_after_alloc(c, [4, 5, 6], 8)
+    meta = h.step([ScheduledRequest("B", (), 0)])
+    load_c = only(meta.load_jobs)
+    store_b = only(meta.store_jobs)  # the retry evicted the one ready slot, A's third chunk
+    assert h.manager.slot_state(ka[2]) is SlotState.ABSENT
+    assert [h.manager.slot_state(k) for k in ka[:2]] == [SlotState.READING] * 2
+    assert h.manager.slot_state(h.keys(b)[0]) is SlotState.WRITING
+    assert h.sched.stats.allocation_failures == 2
+
+    # D needs two slots; none is ready (two reading, one writing): nothing is evicted.
+    d = h.request("D", "d", 8)
+    assert not h.step([h.admit(d, [7, 8])], allocated=[7, 8]).store_jobs
+    assert h.sched.stats.allocation_failures == 3
+    assert [h.manager.slot_state(k) for k in ka[:2]] == [SlotState.READING] * 2
+    assert h.manager.slot_state(h.keys(b)[0]) is SlotState.WRITING
+    assert all(h.manager.slot_state(k) is SlotState.ABSENT for k in h.keys(d))
+    h.ack(load_c)
+    h.ack(store_b)
+    assert not h.sched.has_pending_push_work()
+
+
+# ------------------------------------------------------------------------------------------- reset
+
+
+def test_reset_cache_makes_in_flight_jobs_stale() -> None:
+    h = Harness(2)
+    z = h.request("Z", "z", 8)
+    h.prefill(z, [5, 6])
+    h.finish(z)
+    h.ack_all()
+    a = h.request("A", "a", 8)
+    store_a = only(h.prefill(a, [0, 1]).store_jobs)
+    b = FakeRequest("B", z.token_ids[:8], TPB)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
+    h.sched.update_state_after_alloc(b, [2, 3], 4)
+    load_b = only(h.step().load_jobs)
+    stale = {store_a, load_b}
+    assert h.sched.has_pending_push_work()
+
+    h.sched.reset_cache()
+    assert not h.sched.has_pending_push_work()  # at once, although both transfers are in flight
+    assert h.sched.jobs() == {}
+    assert h.sched.stale_threshold == h.sched.job_counter == max(stale) + 1
+    assert all(h.workers.jobs[j].state is JobState.STALE for j in stale)
+    assert h.sched.request_state("B") is RequestState.RUNNING  # its load was discarded
+    assert h.manager.stats()["used"] == 0
+
+    meta = h.step([ScheduledRequest("A", (), 0)])
+    assert stale <= meta.jobs_to_flush  # flushed before any new store can reuse their slots
+    new_store = only(meta.store_jobs)  # A's chunks are offloaded again
+    assert new_store >= h.sched.stale_threshold
+
+    h.sched.update_connector_output(WorkerOutput(completed={store_a: 2}, failed={load_b: 1}))
+    assert h.sched.stats.stale_reports_ignored == 2
+    assert h.sched.stats.committed_stores == 1 and h.sched.stats.failed_loads == 0  # Z's store only
+    assert [h.lookup(k) for k in h.keys(a)] == [LookupResult.HIT_PENDING] * 2  # the new job's writes
+    assert h.sched.has_pending_push_work()
+    h.ack(new_store)
+    assert [h.lookup(k) for k in h.keys(a)] == [LookupResult.HIT] * 2
+    assert not h.sched.has_pending_push_work()
+
+
+# ------------------------------------------------------------------------------------------- pending work
+
+
+class _MinimalManager(OffloadingManager):
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
+        return SlotSpec(())
+
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        pass
+
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        return None
+
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        pass
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return []
+
+    def reset_cache(self) -> None:
+        pass
+
+
+class _MinimalTier(SecondaryTier):
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        return LookupResult.MISS
+
+    def submit_store(self, job: TierJob) -> None:
+        pass
+
+    def submit_load(self, job: TierJob) -> None:
+        pass
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        return []
+
+    def drain_jobs(self) -> None:
+        pass
+
+
+def test_has_pending_work_defaults_to_false() -> None:
+    manager = _MinimalManager()
+    assert manager.has_pending_work() is False
+    assert _MinimalTier().has_pending_work() is False
+    sched = OffloadingScheduler(OffloadConfig(TPB), manager)
+    assert sched.has_pending_push_work() is False
+
+
+def test_tiering_manager_has_pending_work_while_a_cascade_is_in_flight() -> None:
+    try:
+        from kvfsm.control.memory_tier import InMemoryTier
+        from kvfsm.control.tiering import TieringManager
+    except ImportError as exc:  # pragma: no cover - only while tiering is not written yet
+        pytest.skip(f"kvfsm.control.tiering is not available yet: {exc}")
+    tier = InMemoryTier("mem")
+    manager = TieringManager(CPUOffloadingManager(8), [tier])
+    sched = OffloadingScheduler(OffloadConfig(TPB), manager)
+    workers = LoopbackWorkers(1)
+    a = FakeRequest("A", tokens("a", 4), TPB)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, [0], 0)
+    meta = sched.build_connector_meta(SchedulerOutput((ScheduledRequest("A", (0,), 4, admitted=True),)))
+    workers.deliver(meta)
+    a.num_computed_tokens = 4
+    a.token_ids.append(7)
+    sched.request_finished(a)
+    workers.deliver(sched.build_connector_meta(SchedulerOutput()))
+    assert manager.has_pending_work() is False  # the GPU store is the scheduler's job, not the manager's
+
+    sched.update_connector_output(workers.report_all())  # the store commits: a cascade starts
+    assert sched.jobs() == {}
+    assert manager.has_pending_work() is True
+    assert sched.has_pending_push_work() is True  # only the cascade keeps the engine stepping
+    assert tier.pending_job_ids() != []
+
+    sched.build_connector_meta(SchedulerOutput())  # an empty step polls the tier: still running
+    assert sched.has_pending_push_work() is True
+    tier.complete_all()
+    sched.build_connector_meta(SchedulerOutput())  # the next step's poll sees it finish
+    assert manager.has_pending_work() is False
+    assert sched.has_pending_push_work() is False
+    assert keys_of(a.block_hashes, 1)[0] in tier
+
+
+# ------------------------------------------------------------------------------------------- typed errors
+
+
+def _two_jobs(world_size: int = 2) -> tuple[Harness, FakeRequest, FakeRequest, int, int]:
+    h = Harness(world_size)
+    a, b = h.request("A", "a", 8), h.request("B", "b", 8)
+    job_a = only(h.prefill(a, [0, 1]).store_jobs)
+    job_b = only(h.prefill(b, [2, 3]).store_jobs)
+    return h, a, b, job_a, job_b
+
+
+def test_unknown_job_ids_at_or_above_the_stale_threshold_raise_and_change_nothing() -> None:
+    h, a, b, job_a, job_b = _two_jobs()
+    h.ack(job_a)  # job_a is retired: its id is now unknown too
+    keys = h.keys(a) + h.keys(b)
+    before = snapshot(h, keys, ["A", "B"])
+    for bad in (job_a, h.sched.job_counter, h.sched.job_counter + 10):
+        for output in (
+            WorkerOutput(completed={job_b: 1, bad: 1}),
+            WorkerOutput(failed={bad: 1}, completed={job_b: 1}),
+        ):
+            with pytest.raises(UnknownJobError, match=f"job {bad}"):
+                h.sched.update_connector_output(output)
+            assert snapshot(h, keys, ["A", "B"]) == before  # job_b's valid ack was not applied
+
+    # Below the threshold (after a reset) the same kind of report is ignored instead.
+    h.sched.reset_cache()
+    threshold = h.sched.stale_threshold
+    h.sched.update_connector_output(WorkerOutput(completed={threshold - 1: 1}))
+    assert h.sched.stats.stale_reports_ignored == 1
+    with pytest.raises(UnknownJobError):
+        h.sched.update_connector_output(WorkerOutput(completed={threshold: 1}))
+
+
+@pytest.mark.parametrize(
+    ("completed", "failed"),
+    [
+        pytest.param(3, 0, id="acks-above-pending"),
+        pytest.param(1, 2, id="acks-plus-failures-above-pending"),
+        pytest.param(2, 1, id="failures-plus-acks-above-pending"),
+        pytest.param(0, 3, id="failures-above-pending"),
+    ],
+)
+def test_ack_count_above_pending_raises_and_changes_nothing(completed: int, failed: int) -> None:
+    h, a, b, job_a, job_b = _two_jobs(world_size=2)
+    h.ack(job_b, [0])  # job_b: one of two reports in
+    keys = h.keys(a) + h.keys(b)
+    before = snapshot(h, keys, ["A", "B"])
+    output = WorkerOutput(completed={job_b: 1})
+    if completed:
+        output.completed[job_a] = completed
+    if failed:
+        output.failed[job_a] = failed
+    with pytest.raises(AckCountError, match=f"job {job_a}"):
+        h.sched.update_connector_output(output)
+    assert snapshot(h, keys, ["A", "B"]) == before
+
+
+def test_ack_count_of_zero_raises() -> None:
+    h, a, _b, job_a, _job_b = _two_jobs()
+    before = snapshot(h, h.keys(a), ["A"])
+    with pytest.raises(AckCountError):
+        h.sched.update_connector_output(WorkerOutput(completed={job_a: 0}))
+    assert snapshot(h, h.keys(a), ["A"]) == before
+
+
+def test_duplicate_request_raises_and_changes_nothing() -> None:
+    h, a, _b, _job_a, _job_b = _two_jobs()
+    before = snapshot(h, h.keys(a), ["A", "B"])
+    with pytest.raises(DuplicateRequestError, match="'A'"):
+        h.sched.on_new_request(a)
+    assert snapshot(h, h.keys(a), ["A", "B"]) == before
+    fresh = h.request("C", "c", 4)
+    h.sched.on_new_request(fresh)
+    with pytest.raises(DuplicateRequestError):
+        h.sched.on_new_request(fresh)
+    assert h.sched.request_state("C") is RequestState.TRACKED
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: OffloadConfig(tokens_per_block=0), id="tokens_per_block=0"),
+        pytest.param(lambda: OffloadConfig(tokens_per_block=16, blocks_per_chunk=0), id="blocks_per_chunk=0"),
+        pytest.param(lambda: OffloadConfig(tokens_per_block=16, world_size=-1), id="world_size=-1"),
+        pytest.param(lambda: OffloadConfig(tokens_per_block=True), id="bool-block-size"),
+        pytest.param(lambda: CPUOffloadingManager(0), id="no-cpu-slots"),
+    ],
+)
+def test_config_errors(build: Any) -> None:
+    with pytest.raises(ConfigError):
+        build()
+
+
+def test_load_of_a_key_still_writing_raises_key_not_ready_and_changes_nothing() -> None:
+    h = Harness()
+    a = h.request("A", "a", 8)
+    job_a = only(h.prefill(a, [0, 1]).store_jobs)
+    key0 = h.keys(a)[0]
+    b = FakeRequest("B", a.token_ids[:8], TPB)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (None, False)  # HIT_PENDING: deferred
+    before = snapshot(h, h.keys(a), ["A", "B"])
+    with pytest.raises(KeyNotReadyError):
+        h.sched.update_state_after_alloc(b, [2, 3], 4)  # an engine that loads anyway
+    assert snapshot(h, h.keys(a), ["A", "B"]) == before
+    assert h.manager.slot_state(key0) is SlotState.WRITING
+    meta = h.step()
+    assert not meta.load_jobs and meta.jobs_to_flush == frozenset()  # nothing half-planned leaks
+    h.ack(job_a)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (4, True)
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_failed_store_frees_slots_only_after_every_rank_reported(failing_rank: int) -> None:
+    h = Harness(2)
+    a = h.request("A", "a", 8)
+    job_a = only(h.prefill(a, [0, 1]).store_jobs)
+    keys = h.keys(a)
+    free_before = h.manager.num_free
+    h.finish(a)
+
+    first, last = (0, 1) if failing_rank == 0 else (1, 0)
+    h.ack(job_a, [first], ok=first != failing_rank)
+    job = h.workers.jobs[job_a]
+    assert job.current() is JobState.IN_FLIGHT
+    assert [h.manager.slot_state(k) for k in keys] == [SlotState.WRITING] * 2  # the other rank copies
+    assert h.manager.num_free == free_before
+    assert h.sched.has_pending_push_work() and h.sched.is_tracked("A")
+
+    h.ack(job_a, [last], ok=last != failing_rank)
+    assert job.current() is JobState.FAILED
+    assert [h.lookup(k) for k in keys] == [LookupResult.MISS] * 2  # never HIT
+    assert h.manager.num_free == free_before + 2
+    assert h.sched.stats.failed_stores == 1 and h.sched.stats.committed_stores == 0
+    assert not h.sched.is_tracked("A") and not h.sched.has_pending_push_work()
+
+
+def test_failed_load_reports_the_blocks_and_is_never_marked_loaded() -> None:
+    h = Harness(2)
+    a = h.request("A", "a", 12)
+    h.prefill(a, [0, 1, 2])
+    h.finish(a)
+    h.ack_all()
+    b = FakeRequest("B", a.token_ids[:12], TPB)
+    assert h.sched.get_num_new_matched_tokens(b, 0) == (8, True)
+    h.sched.update_state_after_alloc(b, [3, 4, 5], 8)
+    load_b = only(h.step().load_jobs)
+
+    h.ack(load_b, [0], ok=False)
+    assert h.sched.take_load_errors() == {}  # rank 1 is still writing B's blocks
+    assert h.sched.request_state("B") is RequestState.LOADING
+    h.ack(load_b, [1])
+    assert h.sched.take_load_errors() == {"B": (3, 4)}
+    assert h.sched.take_load_errors() == {}  # reported once
+    assert h.sched.stats.failed_loads == 1 and h.sched.stats.committed_loads == 0
+    assert h.workers.jobs[load_b].state is JobState.FAILED
+    assert [h.manager.slot_state(k) for k in h.keys(a)[:2]] == [SlotState.READY] * 2  # unpinned
+    assert h.sched.chunks_being_loaded() == frozenset()
