@@ -561,6 +561,9 @@ class OffloadingScheduler:
         for job in self._jobs.values():
             if job.state in (JobState.SUBMITTED, JobState.IN_FLIGHT):
                 job.discard()
+            if job.kind is JobKind.LOAD:
+                # Its late report will be ignored by id, so its outcome is unknown: recompute the blocks.
+                self._load_errors[job.req_id] = job.gpu.block_ids
         self._reset_flush.update(self._jobs)
         for st in list(self._requests.values()):
             st.jobs.clear()
