@@ -30,6 +30,7 @@ __all__ = [
     "build_transitions_machine",
     "checked_mode_default",
     "compile_table",
+    "set_tracer",
     "evaluate_table",
     "evaluate_transitions",
 ]
@@ -42,6 +43,21 @@ class Stateful(Protocol[S]):
     """Anything a spec machine drives: it has a mutable ``state``."""
 
     state: S
+
+
+#: Called after every transition of every spec machine: (machine, model, event, source, dest).
+TransitionTracer = Callable[[str, object, str, str, str], None]
+_tracer: TransitionTracer | None = None
+
+
+def set_tracer(tracer: TransitionTracer | None) -> TransitionTracer | None:
+    """Install a process-wide transition tracer (None removes it); returns the previous one.
+
+    Off by default: the hot path then pays one global None check per transition.
+    """
+    global _tracer
+    previous, _tracer = _tracer, tracer
+    return previous
 
 
 def checked_mode_default() -> bool:
@@ -216,6 +232,8 @@ class SpecMachine(Generic[S, E]):
                 if self.checked:
                     self._check(model, event, arg, dest, effect)
                 model.state = dest
+                if _tracer is not None:
+                    _tracer(self.spec.name, model, str(event), str(state), str(dest))
                 return effect
         if self.checked:
             self._check(model, event, arg, None, None)
