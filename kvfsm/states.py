@@ -34,6 +34,7 @@ class JobState(StrEnum):
     COMPLETE = "complete"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
     STALE = "stale"
 
 
@@ -43,6 +44,7 @@ class JobEvent(StrEnum):
     FAIL = "fail"
     CANCEL = "cancel"
     DISCARD = "discard"
+    TIME_OUT = "time_out"
 
 
 class SlotState(StrEnum):
@@ -102,4 +104,6 @@ class EngineEvent(StrEnum):
     STOP = "stop"
 
 
-JOB_TERMINAL: frozenset[JobState] = frozenset({JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED, JobState.STALE})
+JOB_TERMINAL: frozenset[JobState] = frozenset(
+    {JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT, JobState.STALE}
+)

@@ -106,3 +106,7 @@ class Job:
 
     def discard(self) -> None:
         self.machine.fire(self, JobEvent.DISCARD)
+
+    def time_out(self) -> str | None:
+        """The job's deadline passed: it ends timed_out and its resources are released ("release")."""
+        return self.machine.fire(self, JobEvent.TIME_OUT)
