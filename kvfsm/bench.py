@@ -1,29 +1,69 @@
-"""``kvfsm bench``: the lifecycle cost of a job, compiled tables against transitions-checked mode.
+"""``kvfsm bench``: side-by-side ratios measured in one run, printed as tables and written as JSON.
 
-Both paths run in the same process and the table prints their medians side by side with the ratio,
-because machines here are noisy: compare ratios, not absolute numbers across runs.
+Sections (``--only`` picks some):
+
+1. ``drain`` - drain responsiveness (the headline): a request finishes leaving D bytes of stores in
+   flight and a new one arrives at once; time and steps until it is first scheduled, non-blocking drain
+   against the blocking-flush baseline, D from 1 MiB to 1 GiB (:mod:`kvfsm.bench_drain`).
+2. ``control`` - control-plane cost: a seeded prefix-reuse trace (or a JSONL one) replayed through the
+   CPU tier manager at 25% and 100% capacity, and the scheduler's per-step cost for N = 16, 64, 256
+   running requests (:mod:`kvfsm.bench_control`, :mod:`kvfsm.workload`).
+3. ``lifecycle`` - µs per job on the compiled path and in transitions-checked mode, and the cost of
+   ``has_pending_push_work()`` with 10 and 100k jobs in flight.
+4. ``transfers`` - the data plane's table (:mod:`kvfsm.data.bench_transfers`, when it is installed).
+5. ``verification`` - model-checker states/s and Hypothesis stateful steps/s (:mod:`kvfsm.bench_verify`).
+
+Both sides of every comparison run in the same process, one after the other: machines here are noisy,
+so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
+import os
+import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
 
+from kvfsm.bench_progress import Progress
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
 from kvfsm.control.metadata import WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.errors import ConfigError
 from kvfsm.machines import job_machine
 from kvfsm.states import JobKind
 
-__all__ = ["BenchRequest", "lifecycle_us", "pending_check_ns", "run_bench"]
+__all__ = [
+    "SECTIONS",
+    "BenchReport",
+    "BenchRequest",
+    "Goal",
+    "job_machine_us",
+    "lifecycle_us",
+    "pending_check_ns",
+    "run_bench",
+]
+
+SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification")
+
+#: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
+VLLM_REPLAY_25_S = 3.2
+VLLM_STEP_DECODE_MS = 1.3
+VLLM_STEP_PREFILL_MS = 6.6
+
+
+# ---------------------------------------------------------------------------- lifecycle (section 3)
 
 
 @dataclass(slots=True)
@@ -113,39 +153,448 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def run_bench(jobs: int = 2000, repeats: int = 5, as_json: bool = False) -> int:
-    rows: list[tuple[str, float, float]] = []
+# ---------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    section: str
+    name: str
+    target: str
+    measured: str
+    #: None: not evaluated in this run (e.g. a custom workload).
+    met: bool | None
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.met is None else ("met" if self.met else "NOT MET")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "section": self.section,
+            "goal": self.name,
+            "target": self.target,
+            "measured": self.measured,
+            "met": self.met,
+        }
+
+
+@dataclass(slots=True)
+class BenchReport:
+    meta: dict[str, object] = field(default_factory=dict)
+    results: dict[str, object] = field(default_factory=dict)
+    goals: list[Goal] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"meta": self.meta, **self.results, "goals": [g.as_dict() for g in self.goals]}
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ", align: str | None = None
+) -> str:
+    """A plain text table; ``align`` has one letter per column, "l" or "r" (default: the first column
+    left-aligned, the others right-aligned)."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    how = align or "l" + "r" * (len(headers) - 1)
+    if len(how) != len(headers) or set(how) - {"l", "r"}:
+        raise ConfigError(f"align={align!r}; expected one 'l' or 'r' per column ({len(headers)})")
+
+    def line(r: list[str]) -> str:
+        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, how, strict=True)]
+        return (indent + "  ".join(parts)).rstrip()
+
+    rule = indent + "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+@dataclass(slots=True)
+class _Options:
+    quick: bool
+    jobs: int
+    repeats: int
+    workload: Path | None
+    show_progress: bool
+
+
+def _in_flight(results: Sequence[Any]) -> str:
+    """Rounds whose stores were in flight at B's arrival, and still in flight when B was scheduled."""
+    n = len(results)
+    arrived = sum(1 for r in results if r.a_jobs_in_flight_at_arrival)
+    scheduled = sum(1 for r in results if r.a_jobs_in_flight_when_scheduled)
+    return f"{arrived}/{n}, {scheduled}/{n}"
+
+
+def _section_drain(opts: _Options, report: BenchReport) -> str:
+    from kvfsm.bench_drain import FULL_SIZES_MIB, QUICK_SIZES_MIB, DrainPoint, drain_sweep
+
+    sizes = QUICK_SIZES_MIB if opts.quick else FULL_SIZES_MIB
+    repeats = 5 if opts.quick else 7
+    with Progress(len(sizes), "drain", enabled=opts.show_progress) as bar:
+
+        def done(p: DrainPoint) -> None:
+            bar.advance(f"{p.store_bytes / 2**20:.0f} MiB: {p.ratio:.0f}x")
+
+        points = drain_sweep(sizes, repeats, on_point=done)
+    rows = [
+        (
+            f"{p.store_bytes / 2**20:.0f}",
+            p.nonblocking_steps,
+            _ms(p.nonblocking_ms),
+            p.blocking_steps,
+            _ms(p.blocking_ms),
+            f"{p.ratio:.1f}x",
+            _in_flight(p.nonblocking),
+        )
+        for p in points
+    ]
+    report.results["drain"] = {"repeats": repeats, "points": [p.as_dict() for p in points]}
+    nb = [p.nonblocking_ms for p in points]
+    bl = [p.blocking_ms for p in points]
+    max_steps = max(p.nonblocking_steps for p in points)
+    flat = max(nb) / min(nb) if min(nb) > 0 else float("inf")
+    growth = bl[-1] / bl[0] if bl[0] > 0 else float("inf")
+    report.goals += [
+        Goal(
+            "drain",
+            "non-blocking: new request scheduled within one step at every D",
+            "<= 1 step",
+            f"max {max_steps} step(s)",
+            max_steps <= 1,
+        ),
+        Goal(
+            "drain",
+            "non-blocking wait flat from smallest to largest D",
+            "max/min <= 2x",
+            f"{flat:.2f}x ({_ms(min(nb))}..{_ms(max(nb))} ms)",
+            flat <= 2.0,
+        ),
+        Goal(
+            "drain",
+            "blocking baseline grows with D",
+            "largest/smallest D >= 4x",
+            f"{growth:.0f}x ({_ms(bl[0])} -> {_ms(bl[-1])} ms)",
+            growth >= 4.0,
+        ),
+    ]
+    head = (
+        "(1) drain responsiveness: A finishes leaving D of stores in flight, B arrives during the next step\n"
+        f"    median of {repeats} rounds per D; time = B's arrival to B first scheduled; "
+        "small stores may finish within A's last step\n"
+    )
+    table = format_table(
+        (
+            "D (MiB)",
+            "non-blocking steps",
+            "ms",
+            "blocking steps",
+            "ms",
+            "blocking/non-blocking",
+            "A's stores in flight (at B's arrival, at B's scheduling)",
+        ),
+        rows,
+    )
+    return head + table
+
+
+def _section_control(opts: _Options, report: BenchReport) -> str:
+    from kvfsm.bench_control import OPERATIONS, replay, scheduler_step_cost
+    from kvfsm.workload import WorkloadConfig, generate_trace, read_jsonl, to_keys, trace_stats
+
+    source = str(opts.workload) if opts.workload else "generated (seed 0)"
+    trace = read_jsonl(opts.workload) if opts.workload else generate_trace(WorkloadConfig())
+    stats = trace_stats(trace)
+    requests = to_keys(trace)
+    capacities = (0.25, 1.0)
+    kinds_ns = ((kind, n) for kind in ("decode", "prefill") for n in (16, 64, 256))
+    step_plan = list(kinds_ns)
+    replay_repeats = 1 if opts.quick else 3
+    results = []
+    costs = []
+    with Progress(len(capacities) + len(step_plan), "control plane", enabled=opts.show_progress) as bar:
+        for cap in capacities:
+            r = replay(requests, cap, repeats=replay_repeats)
+            results.append(r)
+            bar.advance(f"replay {cap:.0%}: {r.cpu_s:.2f} s")
+        for kind, n in step_plan:
+            c = scheduler_step_cost(n, kind, steps=16 if opts.quick else 64, rounds=1 if opts.quick else 3)
+            costs.append(c)
+            bar.advance(f"{kind} N={n}: {c.cpu_us_per_step:.0f} µs")
+    report.results["control"] = {
+        "workload": {
+            "source": source,
+            "requests": stats.requests,
+            "blocks": stats.blocks,
+            "distinct_blocks": stats.distinct_blocks,
+            "continuations": stats.continuations,
+            "in_flight": 8,
+        },
+        "replay": [r.as_dict() for r in results],
+        "scheduler_step": [c.as_dict() for c in costs],
+    }
+    lines = [
+        "(2) control-plane cost (CPU time is the wall time on an idle machine: both are single-threaded)",
+        f"    trace: {source}, {stats.requests} requests, {stats.blocks} blocks, {stats.distinct_blocks} distinct, "
+        f"{stats.continuations / max(1, stats.requests):.0%} continue an earlier request, 8 in flight",
+    ]
+    rows: list[list[object]] = [[op, *(f"{r.us_per_call(op):.2f}" for r in results)] for op in OPERATIONS]
+    rows.append(["calls (lookup)", *(r.calls.get("lookup", 0) for r in results)])
+    rows.append(["block hit rate", *(f"{r.hit_rate:.1%}" for r in results)])
+    rows.append(["evictions", *(r.evictions for r in results)])
+    rows.append(["store refusals", *(r.store_refusals for r in results)])
+    rows.append(["wall time, timed pass (s)", *(f"{r.timed_wall_s:.3f}" for r in results)])
+    rows.append([f"wall time (s, best of {replay_repeats})", *(f"{r.wall_s:.3f}" for r in results)])
+    rows.append([f"CPU time (s, best of {replay_repeats})", *(f"{r.cpu_s:.3f}" for r in results)])
+    lines.append(
+        format_table(("µs per call", *(f"{r.capacity:.0%} capacity ({r.num_slots} slots)" for r in results)), rows)
+    )
+    lines.append("")
+    rounds = "" if opts.quick else ", best of 3 rounds"
+    lines.append(f"    scheduler per step: build_connector_meta + update_connector_output (median step{rounds})")
+    step_rows = [
+        (
+            c.kind,
+            c.num_requests,
+            f"{c.jobs_per_step:.0f}",
+            f"{c.build_us:.0f}",
+            f"{c.update_us:.0f}",
+            f"{c.us_per_step / 1e3:.3f}",
+            f"{c.cpu_us_per_step / 1e3:.3f}",
+        )
+        for c in costs
+    ]
+    lines.append(format_table(("step", "N", "jobs/step", "build µs", "update µs", "ms/step", "CPU ms/step"), step_rows))
+    generated = opts.workload is None
+    r25 = results[0]
+    report.goals.append(
+        Goal(
+            "control",
+            "trace replay at 25% capacity (vLLM: ~3.2 s)",
+            "< 1.6 s",
+            f"{r25.cpu_s:.3f} s CPU, {r25.wall_s:.3f} s wall ({VLLM_REPLAY_25_S / r25.cpu_s:.1f}x faster than vLLM)",
+            r25.cpu_s < VLLM_REPLAY_25_S / 2 if generated else None,
+        )
+    )
+    by = {(c.kind, c.num_requests): c for c in costs}
+    for kind, vllm_ms in (("decode", VLLM_STEP_DECODE_MS), ("prefill", VLLM_STEP_PREFILL_MS)):
+        cost = by[(kind, 256)]
+        cpu_ms, wall_ms = cost.cpu_us_per_step / 1e3, cost.us_per_step / 1e3
+        report.goals.append(
+            Goal(
+                "control",
+                f"scheduler {kind} step at N=256 (vLLM: ~{vllm_ms} ms)",
+                f"< {vllm_ms / 2:.2g} ms",
+                f"{cpu_ms:.3f} ms CPU, {wall_ms:.3f} ms wall",
+                cpu_ms < vllm_ms / 2,
+            )
+        )
+    return "\n".join(lines)
+
+
+def _section_lifecycle(opts: _Options, report: BenchReport) -> str:
     benches: tuple[tuple[str, Callable[[bool, int], float]], ...] = (
         ("request lifecycle, W=2 (µs/job)", lifecycle_us),
         ("job machine alone, W=2 (µs/job)", job_machine_us),
     )
-    for label, fn in benches:
-        compiled = _median(functools.partial(fn, False, jobs), repeats)
-        checked = _median(functools.partial(fn, True, max(jobs // 4, 50)), repeats)
-        rows.append((label, compiled, checked))
-    small = _median(lambda: pending_check_ns(10), repeats)
-    large = _median(lambda: pending_check_ns(100_000), max(1, repeats // 2))
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "lifecycle": [{"what": w, "compiled_us": c, "checked_us": k, "ratio": k / c} for w, c, k in rows],
-                    "has_pending_push_work_ns": {
-                        "10_jobs": small,
-                        "100k_jobs": large,
-                        "ratio": large / small,
-                    },
-                },
-                indent=2,
-            )
+    jobs, repeats = opts.jobs, opts.repeats
+    rows: list[tuple[str, float, float]] = []
+    with Progress(len(benches) + 2, "lifecycle", enabled=opts.show_progress) as bar:
+        for label, fn in benches:
+            compiled = _median(functools.partial(fn, False, jobs), repeats)
+            checked = _median(functools.partial(fn, True, max(jobs // 4, 50)), repeats)
+            rows.append((label, compiled, checked))
+            bar.advance(label.split(",")[0])
+        small = _median(lambda: pending_check_ns(10), repeats)
+        bar.advance("has_pending_push_work, 10 jobs")
+        large = _median(lambda: pending_check_ns(100_000), max(1, repeats // 2))
+        bar.advance("has_pending_push_work, 100k jobs")
+    report.results["lifecycle"] = {
+        "jobs": jobs,
+        "repeats": repeats,
+        "rows": [{"what": w, "compiled_us": c, "checked_us": k, "ratio": k / c} for w, c, k in rows],
+        "has_pending_push_work_ns": {"10_jobs": small, "100k_jobs": large, "ratio": large / small},
+    }
+    report.goals.append(
+        Goal(
+            "lifecycle",
+            "has_pending_push_work() costs the same at 10 and 100k jobs",
+            "100k/10 <= 2x",
+            f"{small:.0f} ns vs {large:.0f} ns ({large / small:.2f}x)",
+            large / small <= 2.0,
         )
-        return 0
-    print(f"kvfsm bench: median of {repeats} runs, {jobs} jobs per run (checked mode runs a quarter)\n")
-    print(f"{'':36} {'compiled':>10} {'checked':>10} {'checked/compiled':>17}")
-    for what, c, k in rows:
-        print(f"{what:36} {c:>10.2f} {k:>10.2f} {k / c:>16.1f}x")
-    print(
-        f"\nhas_pending_push_work(): {small:.0f} ns with 10 jobs in flight, {large:.0f} ns with 100k "
+    )
+    head = f"(3) lifecycle overhead: median of {repeats} runs, {jobs} jobs per run (checked mode runs a quarter)\n"
+    table = format_table(
+        ("", "compiled", "checked", "checked/compiled"),
+        [(w, f"{c:.2f}", f"{k:.2f}", f"{k / c:.1f}x") for w, c, k in rows],
+    )
+    tail = (
+        f"\n  has_pending_push_work(): {small:.0f} ns with 10 jobs in flight, {large:.0f} ns with 100k "
         f"({large / small:.2f}x)"
     )
+    return head + table + tail
+
+
+def _generic_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "  (no rows)"
+    headers = list(rows[0])
+
+    def cell(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    return format_table(headers, [[cell(r.get(h, "")) for h in headers] for r in rows])
+
+
+def _section_transfers(opts: _Options, report: BenchReport) -> str:
+    head = "(4) transfers: the data plane's copy benchmark\n"
+    try:
+        module = importlib.import_module("kvfsm.data.bench_transfers")
+    except ImportError as exc:
+        report.results["transfers"] = {"available": False, "detail": f"not available ({exc})"}
+        return head + "  not available (kvfsm.data.bench_transfers is not installed, or torch is missing)"
+    run: Callable[..., list[dict[str, Any]]] = module.run_transfer_bench
+    with Progress(1, "transfers", enabled=opts.show_progress) as bar:
+        try:
+            rows = run(quick=opts.quick)
+        except Exception as exc:  # the data plane's own failure is reported, not a bench crash
+            report.results["transfers"] = {"available": False, "detail": f"failed: {type(exc).__name__}: {exc}"}
+            return head + f"  failed: {type(exc).__name__}: {exc}"
+        bar.advance(f"{len(rows)} rows")
+    report.results["transfers"] = {"available": True, "rows": rows}
+    for name in ("format_transfer_table", "format_table", "transfer_table"):
+        formatter = getattr(module, name, None)
+        if callable(formatter):
+            text = formatter(rows)
+            if isinstance(text, str):
+                return head + text
+    return head + _generic_table(rows)
+
+
+def _section_verification(opts: _Options, report: BenchReport) -> str:
+    from kvfsm.bench_verify import checker_throughput, hypothesis_throughput
+
+    with Progress(2, "verification", enabled=opts.show_progress) as bar:
+        checker = checker_throughput(opts.quick)
+        bar.advance("model checker")
+        hyp = hypothesis_throughput(opts.quick)
+        bar.advance("hypothesis")
+    report.results["verification"] = [r.as_dict() for r in (*checker, *hyp)]
+    rows: list[tuple[object, ...]] = []
+    for r in (*checker, *hyp):
+        if r.available:
+            rows.append((r.tool, r.target, r.units, r.unit_name, f"{r.seconds:.2f}", f"{r.per_second:,.0f}", ""))
+        else:
+            note = r.detail if len(r.detail) <= 90 else r.detail[:87] + "..."
+            rows.append((r.tool, r.target, "-", "-", "-", "-", note))
+    table = format_table(("tool", "target", "count", "unit", "s", "per second", "note"), rows, align="llrlrrl")
+    return "(5) verification throughput\n" + table
+
+
+_RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
+    "drain": _section_drain,
+    "control": _section_control,
+    "lifecycle": _section_lifecycle,
+    "transfers": _section_transfers,
+    "verification": _section_verification,
+}
+
+
+def _meta(opts: _Options, sections: Sequence[str]) -> dict[str, object]:
+    meta: dict[str, object] = {
+        "quick": opts.quick,
+        "sections": list(sections),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": _load_average(),
+    }
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        meta["torch_threads"] = torch.get_num_threads()
+        meta["cuda"] = torch.cuda.is_available()
+    except ImportError:
+        meta["torch"] = None
+    return meta
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def format_goals(goals: Sequence[Goal]) -> str:
+    return "goals\n" + format_table(
+        ("section", "goal", "target", "measured", "verdict"),
+        [(g.section, g.name, g.target, g.measured, g.verdict) for g in goals],
+    )
+
+
+def run_bench(
+    *,
+    quick: bool = False,
+    quiet: bool = False,
+    as_json: bool = False,
+    out: str | Path | None = None,
+    jobs: int | None = None,
+    repeats: int | None = None,
+    workload: str | Path | None = None,
+    sections: Sequence[str] | None = None,
+    stream: TextIO | None = None,
+) -> int:
+    """Run the benchmark sections; print tables (or JSON with ``as_json``); write JSON to ``out``.
+
+    Returns 0 when every section ran (goals missed are reported, not an error).
+    """
+    chosen = list(sections) if sections else list(SECTIONS)
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown bench section(s) {unknown}; expected some of {list(SECTIONS)}")
+    stream = stream if stream is not None else sys.stdout
+    opts = _Options(
+        quick=quick,
+        jobs=jobs if jobs is not None else (500 if quick else 2000),
+        repeats=repeats if repeats is not None else (3 if quick else 5),
+        workload=Path(workload) if workload is not None else None,
+        show_progress=not (quiet or as_json),
+    )
+    if opts.jobs < 1 or opts.repeats < 1:
+        raise ConfigError(f"jobs and repeats must be >= 1, got jobs={opts.jobs}, repeats={opts.repeats}")
+    report = BenchReport(meta=_meta(opts, chosen))
+    t0 = time.perf_counter()
+    if not as_json:
+        mode = "quick" if quick else "full"
+        load = report.meta["load_average"]
+        busy = isinstance(load, float) and load > 0.75 * (os.cpu_count() or 1)
+        print(
+            f"kvfsm bench ({mode}): {', '.join(chosen)}; {os.cpu_count()} CPUs, Python {platform.python_version()}"
+            + (f", load average {load:.2f}" if isinstance(load, float) else "")
+            + (" (busy machine: timings are inflated)" if busy else ""),
+            file=stream,
+        )
+    for name in chosen:
+        text = _RUNNERS[name](opts, report)
+        if not as_json:
+            print("\n" + text, file=stream, flush=True)
+    report.meta["seconds"] = time.perf_counter() - t0
+    if not as_json:
+        print("\n" + format_goals(report.goals), file=stream)
+        print(f"\nbench finished in {report.meta['seconds']:.1f} s", file=stream)
+    payload = json.dumps(report.as_dict(), indent=2, default=str)
+    if as_json:
+        print(payload, file=stream)
+    if out is not None:
+        Path(out).write_text(payload + "\n", encoding="utf-8")
     return 0

@@ -14,32 +14,21 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from kvfsm.bench_drain import DrainResult, compress_timeline, measure_drain
 from kvfsm.control.config import DrainMode
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.engine.core import EngineConfig, ReferenceEngine
+from kvfsm.engine.core import EngineConfig, ReferenceEngine, StepRecord
 from kvfsm.invariants import SystemView, check_all
 from kvfsm.states import EngineState
 
+if TYPE_CHECKING:
+    from kvfsm.trace import TraceRecorder
+
 __all__ = ["DrainResult", "compress_timeline", "measure_drain", "run_demo", "run_workload"]
-
-
-def compress_timeline(states: list[EngineState]) -> str:
-    """running x12 -> finishing -> draining x3 -> idle"""
-    parts: list[str] = []
-    prev: EngineState | None = None
-    count = 0
-    for s in [*states, None]:
-        if s == prev:
-            count += 1
-            continue
-        if prev is not None:
-            parts.append(prev.value + (f" x{count}" if count > 1 else ""))
-        prev, count = s, 1
-    return " -> ".join(parts)
 
 
 def _check(engine: ReferenceEngine) -> None:
@@ -75,58 +64,42 @@ def run_workload(
     return engine, states
 
 
-@dataclass(frozen=True, slots=True)
-class DrainResult:
-    mode: DrainMode
-    store_bytes: int
-    steps_waited: int
-    ms_waited: float
-    #: A's store jobs still uncommitted when B was scheduled (0 means B waited for all of them).
-    a_jobs_in_flight_when_scheduled: int
-    blocking_waits: int
-    timeline: str
+def run_demo(quick: bool = False, trace: str | Path | None = None, plot: str | Path | None = None) -> int:
+    """The demo; ``trace`` records every transition as NDJSON (then verifies it), ``plot`` draws the
+    workload's engine-state timeline (needs matplotlib)."""
+    with ExitStack() as stack:
+        recorder = None
+        if trace is not None:
+            from kvfsm.trace import TraceRecorder
+
+            recorder = stack.enter_context(TraceRecorder(trace))
+        ok = _run_demo(quick, recorder, plot)
+    if recorder is not None and trace is not None:
+        from kvfsm.trace import verify_trace_file
+
+        report = verify_trace_file(trace)
+        print(f"\ntrace: {recorder.records} transitions written to {trace}")
+        print(f"  kvfsm check --trace: {report.summary()}")
+        ok = ok and report.ok
+    print("\nresult:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
 
 
-def measure_drain(mode: DrainMode, store_mib: int = 64, seed: int = 0) -> DrainResult:
-    """Request A leaves ~store_mib MiB of stores; B arrives during the very next step."""
-    heads, head_dim, layers, tpb = 8, 64, 8, 16
-    block_bytes = 2 * heads * tpb * head_dim * layers * 2  # K and V, fp16, all layers
-    blocks = max(2, store_mib * 2**20 // block_bytes)
-    cfg = EngineConfig(
-        num_layers=layers,
-        num_heads=heads,
-        head_dim=head_dim,
-        tokens_per_block=tpb,
-        num_gpu_blocks=blocks + 16,
-        num_cpu_slots=blocks + 16,
-        dtype=torch.float16,
-        drain=mode,
-        max_num_batched_tokens=(blocks + 2) * tpb,
-    )
-    engine = ReferenceEngine(cfg)
-    rng = random.Random(seed)
-    a = engine.make_request("A", [rng.randrange(1, 30000) for _ in range(blocks * tpb + 1)], max_tokens=1)
-    engine.add_request(a)
-    while engine.state is not EngineState.FINISHING:
-        engine.step()
-    b = engine.make_request("B", [rng.randrange(1, 30000) for _ in range(2 * tpb)], max_tokens=1)
-    engine.add_request_during_next_step(b)
-    arrival_step = engine.step_count + 1
-    in_flight = 0
-    while b.first_scheduled_step is None:
-        engine.step()
-        in_flight = len(engine.scheduler.request_jobs("A"))
-    assert b.first_scheduled_time is not None
-    waited_ms = (b.first_scheduled_time - b.arrival_time) * 1e3
-    steps = b.first_scheduled_step - arrival_step
-    engine.run_until_idle()
-    engine.shutdown()
-    timeline = compress_timeline([rec.state for rec in engine.timeline])
-    return DrainResult(mode, blocks * block_bytes, steps, waited_ms, in_flight, engine.blocking_waits, timeline)
+def _turn_markers(records: list[StepRecord]) -> list[tuple[int, str]]:
+    """The first step of each turn: the step after the engine went idle (and the very first step)."""
+    marks: list[tuple[int, str]] = []
+    prev: StepRecord | None = None
+    for rec in records:
+        if prev is None or prev.state is EngineState.IDLE:
+            marks.append((rec.step, f"turn {len(marks) + 1}"))
+        prev = rec
+    return marks
 
 
-def run_demo(quick: bool = False) -> int:
+def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | None) -> bool:
     print("kvfsm demo: multi-turn prefix reuse through the reference engine (real torch copies)\n")
+    if recorder is not None:
+        recorder.scope("workload")
     cfg = EngineConfig(
         num_layers=4,
         num_heads=4,
@@ -159,9 +132,24 @@ def run_demo(quick: bool = False) -> int:
         f"{integ.mismatches} mismatches, {integ.loads_completed} loads"
     )
     print(f"  all spec invariants held after every step; {elapsed:.2f} s\n")
+    if plot is not None:
+        from kvfsm.timeline import plot_timeline
+
+        records = list(engine.timeline)
+        path = plot_timeline(
+            records,
+            plot,
+            title="kvfsm demo: engine state over steps (multi-turn prefix reuse, W=2)",
+            markers=_turn_markers(records),
+        )
+        print(f"engine timeline picture: {path}\n")
     print("drain: request A finishes with its stores in flight; request B arrives during the next step")
     mib = 32 if quick else 128
-    results = [measure_drain(mode, mib) for mode in (DrainMode.NONBLOCKING, DrainMode.BLOCKING)]
+    results: list[DrainResult] = []
+    for mode in (DrainMode.NONBLOCKING, DrainMode.BLOCKING):
+        if recorder is not None:
+            recorder.scope(f"drain-{mode.value}")
+        results.append(measure_drain(mode, mib))
     print(f"  {'mode':<12} {'stores':>8} {'B waited':>10} {'ms':>9} {'A jobs left':>15} {'blocking waits':>15}")
     for r in results:
         print(
@@ -173,6 +161,4 @@ def run_demo(quick: bool = False) -> int:
     nb, bl = results
     ratio = bl.ms_waited / nb.ms_waited if nb.ms_waited > 0 else float("inf")
     print(f"  blocking / non-blocking wait: {ratio:.1f}x")
-    ok = integ.mismatches == 0 and integ.blocks_verified > 0
-    print("\nresult:", "OK" if ok else "FAILED")
-    return 0 if ok else 1
+    return integ.mismatches == 0 and integ.blocks_verified > 0

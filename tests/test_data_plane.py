@@ -37,6 +37,7 @@ from kvfsm.data import (
     shard_kv_caches,
     validate_kv_caches,
 )
+from kvfsm.data.plan import JobPlan
 from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
 from kvfsm.states import JobKind, JobState
 
@@ -98,6 +99,11 @@ def drain(workers: Sequence[OffloadingWorker]) -> WorkerOutput:
 def backend_of(worker: OffloadingWorker) -> ThreadPoolCopyBackend:
     assert isinstance(worker.backend, ThreadPoolCopyBackend)
     return worker.backend
+
+
+def layer_rows(pool: CPUSlotPool) -> list[torch.Tensor]:
+    """Per layer, its blocks by chunk row (``slot * blocks_per_chunk + sub_block``): a read-only snapshot."""
+    return [layer.reshape(-1, *pool.block_shape) for layer in pool.layers]
 
 
 @dataclass
@@ -334,11 +340,11 @@ def test_store_places_blocks_in_chunk_rows() -> None:
         assert rows == [15, 16, 17, 3, 4]
         for rank, pool in enumerate(rig.pools):
             shard = shard_kv_caches(rig.src, 2, rank)
-            for layer, flat in zip(shard, pool.flat_layers, strict=True):
+            for layer, flat in zip(shard, layer_rows(pool), strict=True):
                 for b, row in zip(blocks, rows, strict=True):
                     assert torch.equal(layer[b], flat[row])
             # Row 5 (slot 1, sub-block 2) is past the job's last block: untouched.
-            assert not pool.flat_layers[0][5].any()
+            assert not layer_rows(pool)[0][5].any()
     finally:
         rig.close()
 
@@ -348,8 +354,9 @@ def test_chunk_rows_with_offset() -> None:
     assert chunk_rows(GPUBlockSpec((), 0), SlotSpec(()), 2) == []
 
 
-def test_copies_are_batched_per_layer() -> None:
-    """One gather and one scatter per layer, whatever the number of blocks."""
+def test_copies_are_batched_per_layer_group() -> None:
+    """The staged path issues a fixed number of index kernels per layer group, whatever the number of blocks:
+    one per group when the group's layers are one allocation, else one per layer, plus one on the pool side."""
 
     class CountOps(TorchFunctionMode):
         def __init__(self) -> None:
@@ -367,17 +374,24 @@ def test_copies_are_batched_per_layer() -> None:
             self.counts[name] = self.counts.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    rig = make_rig(world_size=1, blocks_per_chunk=2, num_layers=3)
+    rig = make_rig(world_size=1, blocks_per_chunk=2, num_layers=3, num_blocks=48, num_slots=24)
     try:
-        backend = backend_of(rig.storers[0])
-        gpu_idx = torch.tensor(list(range(10)), dtype=torch.int64)
-        rows = torch.tensor(list(range(10)), dtype=torch.int64)
-        for is_store in (True, False):
-            with CountOps() as mode:
-                backend._copy_generic(is_store, gpu_idx, rows)
-            assert mode.counts.get("index_select") == 3
-            assert mode.counts.get("index_copy_") == 3
-            assert mode.counts.get("copy_", 0) == 0
+        stacked = backend_of(rig.storers[0])
+        separate = ThreadPoolCopyBackend([t.clone() for t in rig.src], rig.pools[0], 2, copy_path="staged")
+        for backend, kv_side in ((stacked, 1), (separate, 3)):
+            assert (backend.registration.groups[0].stacked is not None) == (kv_side == 1)
+            for is_store in (True, False):
+                for n in (8, 20):
+                    blocks = list(range(2 * n - 2, -1, -2))  # every other block, descending: nothing contiguous
+                    slots = list(range(n // 2 - 1, -1, -1))
+                    plan = backend.registration.plan(is_store, GPUBlockSpec(tuple(blocks)), SlotSpec(tuple(slots)))
+                    assert backend.copier is not None
+                    with CountOps() as mode:
+                        backend.copier.copy_staged(plan, 0)
+                    assert mode.counts.get("index_select", 0) == (kv_side if is_store else 1)
+                    assert mode.counts.get("index_put_", 0) == (1 if is_store else kv_side)
+                    assert mode.counts.get("copy_", 0) == 0
+        separate.shutdown()
     finally:
         rig.close()
 
@@ -411,7 +425,7 @@ def test_copy_exception_is_reported_failed_never_completed(monkeypatch: pytest.M
         assert job.current() is JobState.FAILED
         assert all(backend_of(w).stats().jobs_failed == 1 for w in rig.storers)
         assert all(backend_of(w).bytes_stored == 0 for w in rig.storers)
-        assert all(not flat.any() for pool in rig.pools for flat in pool.flat_layers)
+        assert all(not flat.any() for pool in rig.pools for flat in layer_rows(pool))
     finally:
         rig.close()
 
@@ -434,16 +448,14 @@ def test_one_rank_failing_is_one_failure_report(monkeypatch: pytest.MonkeyPatch)
     rig = make_rig(world_size=2)
     try:
         target = backend_of(rig.storers[1])
-        real_copy = ThreadPoolCopyBackend._copy_generic
+        real_copy = ThreadPoolCopyBackend._copy
 
-        def copy_or_fail(
-            self: ThreadPoolCopyBackend, is_store: bool, gpu_idx: torch.Tensor, rows: torch.Tensor
-        ) -> None:
+        def copy_or_fail(self: ThreadPoolCopyBackend, plan: JobPlan) -> None:
             if self is target:
                 raise RuntimeError("simulated DMA error")
-            real_copy(self, is_store, gpu_idx, rows)
+            real_copy(self, plan)
 
-        monkeypatch.setattr(ThreadPoolCopyBackend, "_copy_generic", copy_or_fail)
+        monkeypatch.setattr(ThreadPoolCopyBackend, "_copy", copy_or_fail)
         job = store_job(1, [3, 4], [2], 2)
         engine_step(rig.storers, meta(stores=[job]))
         out = drain(rig.storers)
@@ -559,7 +571,7 @@ def test_flush_launches_and_waits_before_loads() -> None:
         assert other.current() is JobState.SUBMITTED
         # Right after the call returns the flushed data is in the pool (no poll, no wait).
         pool = rig.pools[0]
-        for layer, flat in zip(rig.src, pool.flat_layers, strict=True):
+        for layer, flat in zip(rig.src, layer_rows(pool), strict=True):
             for b, row in zip([3, 8, 5], [8, 9, 12], strict=True):
                 assert torch.equal(layer[b], flat[row])
         worker.after_forward(m)
@@ -582,7 +594,7 @@ def test_flush_waits_for_stores_launched_in_earlier_steps() -> None:
         for rank, (_, rec) in enumerate(pairs):
             assert rec.calls == [("submit", (1,)), ("wait", (1,))]
             shard = shard_kv_caches(rig.src, 2, rank)
-            for layer, flat in zip(shard, rig.pools[rank].flat_layers, strict=True):
+            for layer, flat in zip(shard, layer_rows(rig.pools[rank]), strict=True):
                 assert torch.equal(layer[6], flat[6]) and torch.equal(layer[7], flat[7])
         out = WorkerOutput()
         for w in workers:
@@ -601,7 +613,7 @@ def test_flush_of_store_left_unlaunched_by_an_earlier_step() -> None:
         assert rec.submitted() == []
         worker.before_forward(meta(flush=[1]))
         assert rec.calls == [("submit", (1,)), ("wait", (1,))]
-        assert torch.equal(rig.src[0][2], rig.pools[0].flat_layers[0][2])
+        assert torch.equal(rig.src[0][2], layer_rows(rig.pools[0])[0][2])
         assert worker.poll().completed == {1: 1}
     finally:
         rig.close()
@@ -632,7 +644,7 @@ def test_shutdown_waits_for_outstanding_copies() -> None:
         assert backend_of(rig.storers[0]).num_inflight == 1  # finished, not yet polled
         assert rig.storers[0].poll().completed == {1: 1}
         for b in range(8):
-            assert torch.equal(rig.src[0][b], rig.pools[0].flat_layers[0][b])
+            assert torch.equal(rig.src[0][b], layer_rows(rig.pools[0])[0][b])
     finally:
         rig.close()
 
@@ -808,7 +820,7 @@ def test_pool_validation_and_pinning() -> None:
     with pytest.raises(ConfigError, match="dtype"):
         CPUSlotPool(1, 1, (4,), 1, "float32")  # type: ignore[arg-type]
     pool = CPUSlotPool(2, 2, (4,), 1, torch.float32)
-    assert pool.layers[0].shape == (2, 2, 4) and pool.flat_layers[0].shape == (4, 4)
+    assert pool.layers[0].shape == (2, 2, 4) and pool.rows.shape == (4, 4)
     assert pool.pinned == torch.cuda.is_available()
     assert not CPUSlotPool(2, 2, (4,), 1, torch.float32, pin_memory=False).pinned
     if not torch.cuda.is_available():

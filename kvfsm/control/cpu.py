@@ -27,10 +27,20 @@ from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
 from kvfsm.states import SlotEvent, SlotState
 
-__all__ = ["CPUOffloadingManager", "Slot"]
+__all__ = ["CPUOffloadingManager", "Slot", "is_evictable"]
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
 _READABLE = (SlotState.READY, SlotState.READING)
+
+
+def is_evictable(state: SlotState) -> bool:
+    """Whether eviction may take a slot in ``state``: the spec's only ``evict`` row leaves ``ready``.
+
+    The manager keeps the policy's evictable set in step with this (a slot leaving an evictable state is
+    marked non-evictable, one entering it evictable); the model checker (kvfsm.check) asks the same
+    function, so a bug planted here is seen by both.
+    """
+    return state is SlotState.READY
 
 
 def _show(key: OffloadKey) -> str:
@@ -293,13 +303,14 @@ class CPUOffloadingManager(OffloadingManager):
         ids: list[int] = []
         for key in keys:
             slot = slots[key]
-            if slot.state is SlotState.READY:
+            was_evictable = is_evictable(slot.state)
+            fire(slot, SlotEvent.BEGIN_READ)
+            slot.readers += 1
+            if was_evictable and not is_evictable(slot.state):
                 # 0 -> 1 reader: eviction must not take it until the last reader is done.
                 policy.mark_non_evictable(key)
                 self._num_ready -= 1
                 self._num_reading += 1
-            fire(slot, SlotEvent.BEGIN_READ)
-            slot.readers += 1
             ids.append(slot.slot_id)
         return SlotSpec(tuple(ids))
 
@@ -323,9 +334,10 @@ class CPUOffloadingManager(OffloadingManager):
         fire = self._machine.fire
         for key in keys:
             slot = self._slots[key]
+            was_evictable = is_evictable(slot.state)
             fire(slot, SlotEvent.END_READ)  # the guard reads ``readers`` before it drops
             slot.readers -= 1
-            if slot.state is SlotState.READY:
+            if not was_evictable and is_evictable(slot.state):
                 self._policy.mark_evictable(key)
                 self._num_reading -= 1
                 self._num_ready += 1
@@ -378,9 +390,10 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             stored: list[OffloadKey] = []
             for key in writing:
-                if fire(self._slots[key], SlotEvent.COMMIT_WRITE) == "emit_stored":
+                slot = self._slots[key]
+                if fire(slot, SlotEvent.COMMIT_WRITE) == "emit_stored":
                     stored.append(key)
-                self._policy.insert(key, evictable=True)
+                self._policy.insert(key, evictable=is_evictable(slot.state))
             self._num_ready += len(writing)
             self._stats[f"{counter}_committed"] += len(writing)
             if stored and self.enable_events:

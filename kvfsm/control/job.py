@@ -12,7 +12,8 @@ __all__ = ["Job"]
 
 
 class Job:
-    """One job from planning to its terminal outcome; only ``launch/ack/fail/cancel/discard`` move it.
+    """One job from planning to its terminal outcome; only ``launch/ack/fail/cancel/discard/time_out``
+    move it.
 
     ``pending`` starts at the world size W and reaches 0 exactly at the W-th ack, when the job commits.
     """
@@ -101,8 +102,9 @@ class Job:
         self.failed_reports += count
         return effect
 
-    def cancel(self) -> None:
-        self.machine.fire(self, JobEvent.CANCEL)
+    def cancel(self) -> str | None:
+        """Nothing was launched and nothing will be: the job ends cancelled ("release")."""
+        return self.machine.fire(self, JobEvent.CANCEL)
 
     def discard(self) -> None:
         self.machine.fire(self, JobEvent.DISCARD)

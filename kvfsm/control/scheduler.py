@@ -7,11 +7,23 @@ Method names follow vLLM's ``OffloadingConnectorScheduler`` so that its users fe
 The engine contract (spec/README.md, "the drain"): while ``has_pending_push_work()`` is True the engine
 keeps stepping, so ``build_connector_meta`` and ``update_connector_output`` keep running with nothing
 scheduled. No method here blocks; a fence or preemption flush is a *request* to the workers.
+
+Failures and deadlines (spec/README.md, "Failures, deadlines and shutdown"): a job ends in exactly one of
+complete, failed, cancelled, timed_out or stale. With :class:`~kvfsm.deadlines.Deadlines`, a job past its
+deadline times out at the next ``build_connector_meta``; its launched copies may still be running, so its
+slots stay quarantined until every launched worker has reported (late reports are absorbed by id), and a
+timed-out load's GPU blocks are reported through :meth:`OffloadingScheduler.is_quarantined` /
+:meth:`OffloadingScheduler.take_released_quarantine` so the engine keeps them out of its pool meanwhile.
+A request waiting on HIT_PENDING / RETRY chunks waits at most ``lookup_wait_s``. Time comes from an
+injected clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,9 +40,11 @@ from kvfsm.control.types import (
     SlotSpec,
     make_offload_key,
 )
+from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.errors import (
     AckCountError,
     DuplicateRequestError,
+    InvalidTransition,
     KvfsmError,
     UnknownJobError,
     UnknownRequestError,
@@ -42,10 +56,60 @@ from kvfsm.states import JobKind, JobState, RequestEvent, RequestState
 __all__ = [
     "OffloadRequest",
     "OffloadingScheduler",
+    "PendingJob",
     "ScheduledRequest",
     "SchedulerOutput",
     "SchedulerStats",
+    "fenced_jobs",
+    "pending_push_work",
+    "stale_threshold_after_reset",
 ]
+
+logger = logging.getLogger(__name__)
+
+
+class PendingJob(Protocol):
+    """What :func:`pending_push_work` may read of an awaited job (a :class:`Job`, or a model checker's record)."""
+
+    @property
+    def pending(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure decisions. The scheduler computes each of these through the function below, and so does the model
+# checker (kvfsm.check) on its abstract state: a bug planted in one of them is seen by both.
+
+
+def pending_push_work(jobs: Collection[PendingJob], manager_has_pending_work: Callable[[], bool]) -> bool:
+    """has_pending_push_work(): True while any job is awaited or the manager has pending work. O(1).
+
+    ``jobs`` are the awaited jobs (every planned, uncommitted, non-stale job, whatever its acks so far);
+    the manager is asked only when there is none.
+    """
+    return bool(jobs) or manager_has_pending_work()
+
+
+def fenced_jobs(allocated: Iterable[int], fences: Mapping[int, AbstractSet[int]]) -> set[int]:
+    """The store jobs a step must flush: those fenced on a GPU block that the step hands out again.
+
+    A fenced block was freed by a finished request while an uncommitted store still reads it; once
+    re-allocated, this step's forward or a load may overwrite it, so the store must finish first
+    (invariant gpu_source_not_overwritten). O(len(allocated)).
+    """
+    flush: set[int] = set()
+    for block in allocated:
+        jobs = fences.get(block)
+        if jobs:
+            flush.update(jobs)
+    return flush
+
+
+def stale_threshold_after_reset(job_counter: int, threshold: int) -> int:
+    """The stale threshold after reset_cache: every id issued so far (below ``job_counter``) becomes stale,
+    so late reports for discarded jobs are ignored (invariant stale_ids_ignored)."""
+    return job_counter
 
 
 class OffloadRequest(Protocol):
@@ -97,6 +161,15 @@ class SchedulerStats:
     preemption_flushes: int = 0
     stale_reports_ignored: int = 0
     deferred_lookups: int = 0
+    timed_out_stores: int = 0
+    timed_out_loads: int = 0
+    cancelled_jobs: int = 0
+    #: Reports that arrived for timed-out jobs (absorbed; they release the quarantine when complete).
+    late_reports_ignored: int = 0
+    #: Lookups that stopped waiting on a HIT_PENDING / RETRY chunk after ``lookup_wait_s``.
+    lookup_wait_timeouts: int = 0
+    #: Timed-out jobs whose copies never reported before shutdown released their memory anyway.
+    quarantine_abandoned: int = 0
 
 
 class _RequestState:
@@ -139,10 +212,27 @@ class _Batch:
         return not (self.loads or self.flush or self.allocated)
 
 
+@dataclass(slots=True)
+class _Quarantined:
+    """A timed-out job whose launched copies have not all reported: its memory is not handed back yet."""
+
+    job: Job
+    ctx: ReqContext
+    outstanding: int
+
+
 class OffloadingScheduler:
     """vLLM's OffloadingConnectorScheduler, over the spec's job and request machines."""
 
-    def __init__(self, config: OffloadConfig, manager: OffloadingManager, *, checked: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        manager: OffloadingManager,
+        *,
+        checked: bool | None = None,
+        deadlines: Deadlines | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.config = config
         self.manager = manager
         self._job_machine = job_machine(checked)
@@ -162,12 +252,18 @@ class OffloadingScheduler:
         self._events: list[OffloadingEvent] = []
         self._load_errors: dict[str, tuple[int, ...]] = {}
         self.stats = SchedulerStats()
+        self.deadlines = deadlines if deadlines is not None else Deadlines()
+        self._clock: Clock = clock if clock is not None else time.monotonic
+        self._expiry = DeadlineQueue()
+        self._quarantine: dict[int, _Quarantined] = {}
+        self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
+        self._waiting_since: dict[str, float] = {}  # request -> when its lookup started waiting on a chunk
 
     # ------------------------------------------------------------------ queries
 
     def has_pending_push_work(self) -> bool:
         """True while any job is unfinished or the manager has pending work. O(1)."""
-        return bool(self._jobs) or self.manager.has_pending_work()
+        return pending_push_work(self._jobs.values(), self.manager.has_pending_work)
 
     def request_state(self, req_id: str) -> RequestState:
         st = self._requests.get(req_id)
@@ -210,6 +306,19 @@ class OffloadingScheduler:
         self._events = []
         return events
 
+    def is_quarantined(self, job_id: int) -> bool:
+        """True while a timed-out job's launched copies have not all reported (its memory is held)."""
+        return job_id in self._quarantine
+
+    def quarantined_jobs(self) -> dict[int, Job]:
+        return {jid: q.job for jid, q in self._quarantine.items()}
+
+    def take_released_quarantine(self) -> list[int]:
+        """Ids of quarantined jobs whose memory has been handed back since the last call (the engine
+        returns a timed-out load's GPU blocks to its pool then)."""
+        released, self._released = self._released, []
+        return released
+
     def take_load_errors(self) -> dict[str, tuple[int, ...]]:
         """GPU blocks of failed loads, per request: the engine must recompute them."""
         errors, self._load_errors = self._load_errors, {}
@@ -219,9 +328,13 @@ class OffloadingScheduler:
 
     def _keys(self, request: OffloadRequest) -> list[OffloadKey]:
         """One key per full chunk: the hash of the chunk's last block."""
-        bpc = self.config.blocks_per_chunk
         hashes = request.block_hashes
-        return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(hashes) // bpc)]
+        return self._chunk_keys(hashes, 0, len(hashes) // self.config.blocks_per_chunk)
+
+    def _chunk_keys(self, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
+        """The keys of chunks ``start..stop-1`` only: O(chunks asked for), not O(prompt)."""
+        bpc = self.config.blocks_per_chunk
+        return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(start, stop)]
 
     def _fire(self, st: _RequestState, event: RequestEvent) -> None:
         effect = self._req_machine.fire(st, event)
@@ -249,6 +362,9 @@ class OffloadingScheduler:
         self._job_counter += 1
         self._jobs[job.job_id] = job
         st.jobs.add(job.job_id)
+        limit = self.deadlines.for_kind(kind)
+        if limit is not None:
+            self._expiry.push(job.job_id, self._clock() + limit)
         return job
 
     def _fence(self, job_id: int, blocks: Iterable[int]) -> None:
@@ -304,21 +420,33 @@ class OffloadingScheduler:
             result = self.manager.lookup(keys[idx], st.ctx)
             if result is LookupResult.MISS:
                 break
-            if result is not LookupResult.HIT:
-                must_wait = True  # HIT_PENDING or RETRY: the chunk will be readable later
-                break
-            if keys[idx] in self._chunks_being_loaded:
-                must_wait = True  # another request loads it; this one hits the GPU prefix cache later
+            # HIT_PENDING or RETRY: the chunk will be readable later; being loaded by another request:
+            # this one hits the GPU prefix cache later. Either way it waits, but not forever.
+            if result is not LookupResult.HIT or keys[idx] in self._chunks_being_loaded:
+                if self._lookup_wait_expired(st.ctx.req_id):
+                    self.stats.lookup_wait_timeouts += 1
+                    break  # waited long enough: compute the chunk instead
+                must_wait = True
                 break
             hits += 1
         if must_wait:
             self._defer(st)
             return None, False
+        self._waiting_since.pop(st.ctx.req_id, None)
         st.num_local_tokens = num_computed_tokens
         if hits == 0:
             return 0, False
         num_external = (first + hits) * tpc - num_computed_tokens
         return num_external, num_external > 0
+
+    def _lookup_wait_expired(self, req_id: str) -> bool:
+        """Start (or check) the request's lookup wait; True once it lasted ``lookup_wait_s``."""
+        limit = self.deadlines.lookup_wait_s
+        if limit is None:
+            return False
+        now = self._clock()
+        since = self._waiting_since.setdefault(req_id, now)
+        return now - since >= limit
 
     def _defer(self, st: _RequestState) -> None:
         self._fire(st, RequestEvent.DEFER)
@@ -348,7 +476,8 @@ class OffloadingScheduler:
                 f"request {request.req_id!r}: {num_external_tokens} external tokens after "
                 f"{st.num_local_tokens} local ones need whole chunks within {len(block_ids)} blocks"
             )
-        keys = tuple(self._keys(request)[first_block // bpc : end_block // bpc])
+        hashes = request.block_hashes
+        keys = tuple(self._chunk_keys(hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
         if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
             raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
@@ -367,6 +496,8 @@ class OffloadingScheduler:
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
         """Plan this step's stores and flushes. Never waits for a transfer."""
+        self._check_step(output)
+        self.expire_jobs()
         batch = self._batch
         batch.allocated.update(output.allocated_block_ids)
         for sched in output.scheduled:
@@ -391,11 +522,8 @@ class OffloadingScheduler:
             st.block_ids = []
             self._fire(st, RequestEvent.PREEMPT)
 
-        for block in batch.allocated:
-            jobs = self._fences.get(block)
-            if jobs:
-                self.stats.fence_flushes += 1
-                batch.flush.update(jobs)
+        self.stats.fence_flushes += sum(1 for block in batch.allocated if block in self._fences)
+        batch.flush.update(fenced_jobs(batch.allocated, self._fences))
 
         # O(scheduled + newly finished requests), never O(all requests or jobs).
         new_stores: dict[int, Job] = {}
@@ -422,6 +550,22 @@ class OffloadingScheduler:
         self._batch = _Batch()
         return meta
 
+    def _check_step(self, output: SchedulerOutput) -> None:
+        """Refuse a step that schedules an untracked request or preempts one that is not running, before
+        anything changes: an operation that raises leaves every machine as it was. O(scheduled + preempted)."""
+        for sched in output.scheduled:
+            if sched.req_id not in self._requests:
+                raise UnknownRequestError(f"scheduled request {sched.req_id!r} is not tracked by the connector")
+        for req_id in output.preempted_req_ids:
+            st = self._requests.get(req_id)
+            if st is not None and not self._req_machine.can_fire(st, RequestEvent.PREEMPT):
+                raise InvalidTransition(
+                    "request",
+                    st.state.value,
+                    RequestEvent.PREEMPT.value,
+                    f"request {req_id!r} is not running; only a running request can be preempted",
+                )
+
     def _plan_stores(self, st: _RequestState, num_scheduled: int | None, out: dict[int, Job]) -> None:
         request = st.request
         tpc, bpc = self.config.tokens_per_chunk, self.config.blocks_per_chunk
@@ -437,12 +581,12 @@ class OffloadingScheduler:
             horizon = request.num_computed_tokens + num_scheduled
         if self.config.offload_prompt_only:
             horizon = min(horizon, request.num_prompt_tokens)
-        keys = self._keys(request)
-        storable = min(horizon // tpc, len(st.block_ids) // bpc, len(keys))
+        hashes = request.block_hashes
+        storable = min(horizon // tpc, len(st.block_ids) // bpc, len(hashes) // bpc)
         start = st.next_stored_chunk
         if storable <= start:
             return
-        candidates = keys[start:storable]
+        candidates = self._chunk_keys(hashes, start, storable)
         prepared = self.manager.prepare_store(candidates, st.ctx)
         if prepared is None:
             self.stats.allocation_failures += 1  # retried next step, including the finishing one
@@ -450,11 +594,15 @@ class OffloadingScheduler:
         st.next_stored_chunk = storable
         if not prepared.keys_to_store:
             return
-        index = {k: start + i for i, k in enumerate(candidates)}
-        blocks: list[int] = []
-        for key in prepared.keys_to_store:
-            c = index[key]
-            blocks.extend(st.block_ids[c * bpc : (c + 1) * bpc])
+        if len(prepared.keys_to_store) == len(candidates):
+            # Every candidate is new (the common case): its blocks are one contiguous run.
+            blocks = st.block_ids[start * bpc : storable * bpc]
+        else:
+            index = {k: start + i for i, k in enumerate(candidates)}
+            blocks = []
+            for key in prepared.keys_to_store:
+                c = index[key]
+                blocks.extend(st.block_ids[c * bpc : (c + 1) * bpc])
         gpu = GPUBlockSpec(tuple(blocks), 0)
         job = self._new_job(JobKind.STORE, st, prepared.keys_to_store, gpu, prepared.store_spec.slot_ids)
         self.stats.store_jobs += 1
@@ -462,7 +610,7 @@ class OffloadingScheduler:
         if st.state is RequestState.FINISHED_UNSIGNALLED:
             # The request's blocks are already free: fence now and flush if reused this very step.
             self._fence(job.job_id, blocks)
-            if self._batch.allocated.intersection(blocks):
+            if job.job_id in fenced_jobs(self._batch.allocated.intersection(blocks), self._fences):
                 self.stats.fence_flushes += 1
                 self._batch.flush.add(job.job_id)
 
@@ -474,12 +622,20 @@ class OffloadingScheduler:
                 if job_id < threshold:
                     continue
                 job = self._jobs.get(job_id)
-                if job is None:
-                    raise UnknownJobError(
-                        f"worker reported {what} for job {job_id}, which is not awaited "
-                        f"(ids {threshold}..{self._job_counter - 1} are current)"
-                    )
                 total = count + (output.completed.get(job_id, 0) if what == "failures" else 0)
+                if job is None:
+                    late = self._quarantine.get(job_id)
+                    if late is None:
+                        raise UnknownJobError(
+                            f"worker reported {what} for job {job_id}, which is not awaited "
+                            f"(ids {threshold}..{self._job_counter - 1} are current)"
+                        )
+                    if count < 1 or total > late.outstanding:
+                        raise AckCountError(
+                            f"timed-out job {job_id}: {total} late reports but {late.outstanding} copies "
+                            f"outstanding; expected 1..{late.outstanding}"
+                        )
+                    continue
                 if count < 1 or total > job.pending:
                     raise AckCountError(
                         f"job {job_id}: {total} reports but {job.pending} pending; expected 1..{job.pending}"
@@ -488,36 +644,53 @@ class OffloadingScheduler:
             if job_id < threshold:
                 self.stats.stale_reports_ignored += 1
                 continue
+            if job_id in self._quarantine:
+                self._late_report(job_id, count)
+                continue
             job = self._jobs[job_id]
             self._finish(job, job.fail(count))
         for job_id, count in output.completed.items():
             if job_id < threshold:
                 self.stats.stale_reports_ignored += 1
                 continue
+            if job_id in self._quarantine:
+                self._late_report(job_id, count)
+                continue
             job = self._jobs.get(job_id)
             if job is None:
                 continue  # finished above by a failure report in the same output
             self._finish(job, job.ack(count))
 
-    def _finish(self, job: Job, effect: str | None) -> None:
+    def _finish(self, job: Job, effect: str | None, *, timed_out: bool = False) -> None:
         if effect is None:
             return
         st = self._requests.get(job.req_id)
         ctx = st.ctx if st is not None else ReqContext(job.req_id)
         ok = effect == "commit"
+        # A timed-out job's launched copies may still be running: keep its memory until they report.
+        outstanding = job.launched_mask.bit_count() - (job.world_size - job.pending) if timed_out else 0
+        if outstanding > 0:
+            self._quarantine[job.job_id] = _Quarantined(job, ctx, outstanding)
         if job.kind is JobKind.STORE:
-            self.manager.complete_store(job.keys, ctx, success=ok)
+            if outstanding <= 0:
+                self.manager.complete_store(job.keys, ctx, success=ok)
             if ok:
                 self.stats.committed_stores += 1
+            elif timed_out:
+                self.stats.timed_out_stores += 1
             else:
                 self.stats.failed_stores += 1
         else:
-            self.manager.complete_load(job.keys, ctx)
+            if outstanding <= 0:
+                self.manager.complete_load(job.keys, ctx)
             self._chunks_being_loaded.difference_update(job.keys)
             if ok:
                 self.stats.committed_loads += 1
             else:
-                self.stats.failed_loads += 1
+                if timed_out:
+                    self.stats.timed_out_loads += 1
+                else:
+                    self.stats.failed_loads += 1
                 self._load_errors[job.req_id] = job.gpu.block_ids
         self._unfence(job.job_id)
         del self._jobs[job.job_id]
@@ -531,7 +704,69 @@ class OffloadingScheduler:
         if st.state is RequestState.FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
 
+    def _late_report(self, job_id: int, count: int) -> None:
+        q = self._quarantine[job_id]
+        q.outstanding -= count
+        self.stats.late_reports_ignored += count
+        if q.outstanding <= 0:
+            del self._quarantine[job_id]
+            self._release_quarantined(q)
+
+    def _release_quarantined(self, q: _Quarantined) -> None:
+        """Every launched copy has reported: hand the memory back exactly as for a failure."""
+        if q.job.kind is JobKind.STORE:
+            self.manager.complete_store(q.job.keys, q.ctx, success=False)
+        else:
+            self.manager.complete_load(q.job.keys, q.ctx)
+        self._released.append(q.job.job_id)
+
+    # ------------------------------------------------------------------ deadlines and shutdown
+
+    def expire_jobs(self, now: float | None = None) -> int:
+        """Time out every job past its deadline (``build_connector_meta`` calls this); returns how many."""
+        if not self._expiry:
+            return 0
+        now = self._clock() if now is None else now
+        n = 0
+        for job_id in self._expiry.pop_expired(now):
+            job = self._jobs.get(job_id)
+            if job is not None and not job.is_terminal:
+                self._finish(job, job.time_out(), timed_out=True)
+                n += 1
+        self._expiry.compact(self._jobs, len(self._jobs))
+        return n
+
+    def abandon_jobs(self) -> tuple[int, int]:
+        """Bounded shutdown gives up on every job: those no worker launched are cancelled, the others
+        time out (quarantined until their copies report). Returns (cancelled, timed out)."""
+        cancelled = timed_out = 0
+        for job in list(self._jobs.values()):
+            if job.launched_mask == 0:
+                self._finish(job, job.cancel())
+                self.stats.cancelled_jobs += 1
+                cancelled += 1
+            else:
+                self._finish(job, job.time_out(), timed_out=True)
+                timed_out += 1
+        self._expiry.clear()
+        # A tiering manager gives up on its cascades and promotions the same way.
+        abandon = getattr(self.manager, "abandon_transfers", None)
+        if callable(abandon):
+            n = abandon()
+            timed_out += n if isinstance(n, int) else 0
+        return cancelled, timed_out
+
+    def release_quarantine(self) -> int:
+        """Hand back the memory of every quarantined job now (shutdown: its copies were abandoned)."""
+        quarantined = list(self._quarantine.values())
+        self._quarantine.clear()
+        for q in quarantined:
+            self._release_quarantined(q)
+        self.stats.quarantine_abandoned += len(quarantined)
+        return len(quarantined)
+
     def _delete(self, st: _RequestState) -> None:
+        self._waiting_since.pop(st.ctx.req_id, None)
         self._fire(st, RequestEvent.DELETE)
         del self._requests[st.ctx.req_id]
         self._num_finished -= 1
@@ -565,6 +800,11 @@ class OffloadingScheduler:
                 # Its late report will be ignored by id, so its outcome is unknown: recompute the blocks.
                 self._load_errors[job.req_id] = job.gpu.block_ids
         self._reset_flush.update(self._jobs)
+        # Quarantined copies are flushed like every stale job; the reset frees their memory wholesale.
+        self._reset_flush.update(self._quarantine)
+        self._released.extend(self._quarantine)
+        self._quarantine.clear()
+        self._expiry.clear()
         for st in list(self._requests.values()):
             st.jobs.clear()
             st.load_job = None
@@ -579,7 +819,7 @@ class OffloadingScheduler:
                 del self._requests[st.ctx.req_id]
                 self._num_finished -= 1
         self.manager.reset_cache()
-        self._stale_threshold = self._job_counter
+        self._stale_threshold = stale_threshold_after_reset(self._job_counter, self._stale_threshold)
         self._jobs.clear()
         self._fences.clear()
         self._job_fence_blocks.clear()
@@ -587,5 +827,11 @@ class OffloadingScheduler:
         self._finished_unsignalled.clear()
         self._events.clear()
 
-    def shutdown(self) -> None:
-        self.manager.shutdown()
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Release what timed-out copies still held, then shut the manager down within ``timeout``
+        (None: as long as it takes). Returns False if the manager did not finish in time."""
+        self.release_quarantine()
+        if timeout is None:
+            self.manager.shutdown()
+            return True
+        return run_bounded(with_timeout(self.manager.shutdown, timeout), timeout + 0.05, "manager")

@@ -5,10 +5,19 @@ tier; a secondary hit is promoted into a primary slot before the GPU can load it
 transfer is a :class:`~kvfsm.control.job.Job` (kind CASCADE or PROMOTE, one "worker": the tier) held in
 ``_transfer_jobs`` from submission until a poll sees its result, so ``has_pending_work()`` tells the
 engine to keep stepping exactly while a later poll can still complete something.
+
+Failure semantics (spec/README.md, "Failures, deadlines and shutdown"): a failed cascade only unpins its
+slot (the CPU copy stays valid); a failed promotion frees its slot and invalidates the tier's copy, so the
+next lookup answers MISS. With :class:`~kvfsm.deadlines.Deadlines`, a transfer past its deadline times out
+through the job machine; its slot stays quarantined until the tier reports the copy finished (a late
+result is absorbed, never an UnknownJobError). A :class:`CascadeBackpressure` per tier drops cascades to a
+tier whose latency is too high (with hysteresis), never promotions. Time comes from an injected clock.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,32 +34,105 @@ from kvfsm.control.types import (
     ReqContext,
     SlotSpec,
 )
-from kvfsm.errors import UnknownJobError
+from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
+from kvfsm.errors import ConfigError, KvfsmError, UnknownJobError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
 from kvfsm.states import JobEvent, JobKind, JobState, SlotState
 
-__all__ = ["TieringManager"]
+__all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringManager"]
+
+logger = logging.getLogger(__name__)
 
 _NO_GPU = GPUBlockSpec(())
 
 
 @dataclass(frozen=True, slots=True)
 class _Transfer:
-    """An in-flight primary <-> tier job and the index of the tier running it."""
+    """An in-flight primary <-> tier job, the index of the tier running it, and when it was submitted."""
 
     job: Job
     tier: int
+    submitted_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackpressureConfig:
+    """vLLM's EMA detector: ``alpha`` weight of a new sample, pressure above ``high_water_s``, released
+    below ``low_water_s``, no decision before ``warmup`` completions."""
+
+    alpha: float = 0.3
+    high_water_s: float = 1.0
+    low_water_s: float = 0.5
+    warmup: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise ConfigError(f"backpressure alpha={self.alpha!r}; expected 0 < alpha <= 1")
+        if not 0.0 < self.low_water_s <= self.high_water_s:
+            raise ConfigError(
+                f"backpressure low_water_s={self.low_water_s!r}, high_water_s={self.high_water_s!r}; "
+                "expected 0 < low_water_s <= high_water_s"
+            )
+        if self.warmup < 0:
+            raise ConfigError(f"backpressure warmup={self.warmup!r}; expected >= 0")
+
+
+class CascadeBackpressure:
+    """The cascade latency of one tier as an EMA, with hysteresis (pure: the caller passes the times)."""
+
+    __slots__ = ("completions", "config", "ema_s", "transitions", "under_pressure")
+
+    def __init__(self, config: BackpressureConfig | None = None) -> None:
+        self.config = config or BackpressureConfig()
+        self.ema_s: float | None = None
+        self.completions = 0
+        self.under_pressure = False
+        self.transitions = 0
+
+    def on_completed(self, elapsed_s: float) -> None:
+        """A cascade finished (or timed out) after ``elapsed_s`` seconds."""
+        cfg = self.config
+        self.ema_s = elapsed_s if self.ema_s is None else cfg.alpha * elapsed_s + (1 - cfg.alpha) * self.ema_s
+        self.completions += 1
+        if self.completions < cfg.warmup:
+            return  # warm-up: no decision yet
+        if not self.under_pressure and self.ema_s > cfg.high_water_s:
+            self._set(True)
+        elif self.under_pressure and self.ema_s < cfg.low_water_s:
+            self._set(False)
+
+    def on_outstanding(self, oldest_age_s: float) -> None:
+        """The oldest cascade still running is ``oldest_age_s`` old: past the high-water mark is pressure."""
+        if not self.under_pressure and oldest_age_s > self.config.high_water_s:
+            self._set(True)
+
+    def _set(self, value: bool) -> None:
+        self.under_pressure = value
+        self.transitions += 1
+        logger.info("tier cascade backpressure %s (EMA %s s)", "on" if value else "off", self.ema_s)
+
+    def reset(self) -> None:
+        self.ema_s = None
+        self.completions = 0
+        self.under_pressure = False
 
 
 class TieringManager(OffloadingManager):
     """``primary`` (CPU) in front of ``tiers`` (searched in order on a primary miss)."""
 
     __slots__ = (
+        "_abandoned",
+        "_backpressure",
+        "_cascades_inflight",
+        "_clock",
+        "_deadlines",
+        "_expiry",
         "_job_machine",
         "_next_job_id",
         "_polled",
         "_primary",
+        "_quarantine",
         "_queued",
         "_stale_ids",
         "_stats",
@@ -64,7 +146,12 @@ class TieringManager(OffloadingManager):
         tiers: Sequence[SecondaryTier],
         *,
         checked: bool | None = None,
+        deadlines: Deadlines | None = None,
+        clock: Clock | None = None,
+        backpressure: BackpressureConfig | None = None,
     ) -> None:
+        """``deadlines.cascade_s`` / ``promote_s`` bound transfers; ``backpressure`` (None: off) drops
+        cascades to slow tiers; ``clock`` (default ``time.monotonic``) times both."""
         self._primary = primary
         self._tiers: tuple[SecondaryTier, ...] = tuple(tiers)
         self._job_machine: SpecMachine[JobState, JobEvent] = job_machine(checked)
@@ -74,6 +161,17 @@ class TieringManager(OffloadingManager):
         self._queued: list[dict[str, list[OffloadKey]]] = [{} for _ in self._tiers]
         self._polled = False  # the once-per-step poll gate, reopened by on_schedule_end
         self._stale_ids: set[int] = set()  # jobs a reset gave up on; their late results are ignored
+        self._deadlines = deadlines if deadlines is not None else Deadlines()
+        self._clock: Clock = clock if clock is not None else time.monotonic
+        self._expiry = DeadlineQueue()
+        # Timed-out transfers whose tier has not reported yet: their slots stay pinned/reserved until it does.
+        self._quarantine: dict[int, _Transfer] = {}
+        self._backpressure: tuple[CascadeBackpressure | None, ...] = tuple(
+            None if backpressure is None else CascadeBackpressure(backpressure) for _ in self._tiers
+        )
+        # Per tier: cascades in flight, job id -> submission time (oldest first).
+        self._cascades_inflight: list[dict[int, float]] = [{} for _ in self._tiers]
+        self._abandoned = False  # shutdown gave up on every transfer: nothing is pending any more
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "secondary_hits",
@@ -85,6 +183,12 @@ class TieringManager(OffloadingManager):
                 "cascades_submitted",
                 "cascades_completed",
                 "cascades_failed",
+                "cascades_dropped",
+                "cascade_probes",
+                "cascades_timed_out",
+                "promotions_timed_out",
+                "late_results",
+                "transfers_abandoned",
             ),
             0,
         )
@@ -109,6 +213,17 @@ class TieringManager(OffloadingManager):
             raise UnknownJobError(f"no primary<->tier job {job_id} is in flight; expected a submitted id")
         return rec.job
 
+    @property
+    def num_quarantined(self) -> int:
+        """Timed-out transfers whose tier has not reported yet (their slots are still held)."""
+        return len(self._quarantine)
+
+    def quarantined_job_ids(self) -> list[int]:
+        return list(self._quarantine)
+
+    def backpressure(self, tier_idx: int) -> CascadeBackpressure | None:
+        return self._backpressure[tier_idx]
+
     def num_queued_promotions(self) -> int:
         """Keys reserved for promotion and not yet submitted (O(tiers x requests queued this step))."""
         return sum(len(keys) for per_req in self._queued for keys in per_req.values())
@@ -118,6 +233,7 @@ class TieringManager(OffloadingManager):
             **self._primary.stats(),
             **self._stats,
             "transfer_jobs_in_flight": len(self._transfer_jobs),
+            "transfers_quarantined": len(self._quarantine),
         }
 
     # -- OffloadingManager --
@@ -162,7 +278,11 @@ class TieringManager(OffloadingManager):
         if not success or not committed:
             return
         keys_t = tuple(committed)
+        now = self._clock()
         for i, tier in enumerate(self._tiers):
+            if not self._admit_cascade(i, now):
+                self._stats["cascades_dropped"] += 1  # never a job: nothing pinned, the CPU copy stays
+                continue
             spec = primary.prepare_read(keys_t)  # pinned until the cascade finishes
             job = self._new_job(JobKind.CASCADE, ctx.req_id, keys_t, spec)
             self._submit(i, job, tier.submit_store, partial(primary.complete_read, keys_t))
@@ -181,6 +301,7 @@ class TieringManager(OffloadingManager):
 
     def on_schedule_end(self) -> None:
         self._poll()
+        self.expire_transfers()
         self._flush_promotions()
         for tier in self._tiers:
             tier.on_schedule_end()
@@ -191,8 +312,11 @@ class TieringManager(OffloadingManager):
         """In-flight transfers, or a tier's own work. O(tiers): never walks the jobs.
 
         Promotions reserved but not yet submitted need no term: ``on_schedule_end`` submits them in the
-        same step, after which they are in ``_transfer_jobs``.
+        same step, after which they are in ``_transfer_jobs``. Timed-out (quarantined) transfers are not
+        pending work: a hung tier never reports, and counting it would keep the engine stepping forever.
         """
+        if self._abandoned:
+            return False
         if self._transfer_jobs:
             return True
         return any(tier.has_pending_work() for tier in self._tiers)
@@ -218,13 +342,65 @@ class TieringManager(OffloadingManager):
             rec.job.discard()
             self._stale_ids.add(job_id)
         self._transfer_jobs.clear()
+        self._stale_ids.update(self._quarantine)  # timed out already; the reset frees their slots wholesale
+        self._quarantine.clear()
+        self._expiry.clear()
+        for inflight in self._cascades_inflight:
+            inflight.clear()
         self._primary.reset_cache()
         self._polled = False
 
-    def shutdown(self) -> None:
-        for tier in self._tiers:
-            tier.shutdown()
-        self._primary.shutdown()
+    def expire_transfers(self, now: float | None = None) -> int:
+        """Time out every transfer past its deadline (``on_schedule_end`` calls this); returns how many."""
+        if not (self._deadlines.cascade_s or self._deadlines.promote_s) or not self._expiry:
+            return 0
+        now = self._clock() if now is None else now
+        n = 0
+        for job_id in self._expiry.pop_expired(now):
+            rec = self._transfer_jobs.get(job_id)
+            if rec is not None:
+                self._time_out(rec, now)
+                n += 1
+        self._expiry.compact(self._transfer_jobs, len(self._transfer_jobs))
+        return n
+
+    def abandon_transfers(self) -> int:
+        """Shutdown gives up: every transfer times out, queued promotions are dropped, and from now on
+        nothing is pending work. Slots stay quarantined until the tiers report (or shutdown releases
+        them). Returns the number of transfers timed out."""
+        now = self._clock()
+        recs = list(self._transfer_jobs.values())
+        for rec in recs:
+            self._time_out(rec, now)
+        self._drop_queued()
+        self._abandoned = True
+        return len(recs)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Shut the tiers down (each within the time left, on a helper thread when bounded), apply what
+        they reported, time out the rest, and release every slot a transfer still held: afterwards no
+        transfer is in flight and nothing is pinned. Then the primary."""
+        end = None if timeout is None else time.monotonic() + timeout
+        stuck: set[int] = set()
+        for i, tier in enumerate(self._tiers):
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if left is None:
+                tier.shutdown()
+            elif not run_bounded(with_timeout(tier.shutdown, left), left + 0.05, f"tier {tier.name}"):
+                stuck.add(i)
+        try:
+            self._poll(skip=stuck)
+        except KvfsmError:
+            logger.exception("results reported at shutdown were malformed; giving up on them")
+        self.abandon_transfers()
+        primary = self._primary
+        for rec in self._quarantine.values():
+            self._release(rec, success=False, invalidate=False)
+            self._stats["transfers_abandoned"] += 1
+        self._quarantine.clear()
+        for inflight in self._cascades_inflight:
+            inflight.clear()
+        primary.shutdown()
 
     # -- internals --
 
@@ -243,7 +419,8 @@ class TieringManager(OffloadingManager):
         """Launch ``job`` and hand it to its tier; if the tier refuses (raises), undo the reservation."""
         tier_job = TierJob(job.job_id, job.keys, job.slots.slot_ids, job.kind is JobKind.PROMOTE, job.req_id)
         job.launch(0)
-        self._transfer_jobs[job.job_id] = _Transfer(job, tier_idx)
+        now = self._clock()
+        self._transfer_jobs[job.job_id] = _Transfer(job, tier_idx, now)
         try:
             submit(tier_job)
         except BaseException:
@@ -251,6 +428,51 @@ class TieringManager(OffloadingManager):
             job.fail()
             rollback()
             raise
+        if job.kind is JobKind.CASCADE:
+            self._cascades_inflight[tier_idx][job.job_id] = now
+        limit = self._deadlines.for_kind(job.kind)
+        if limit is not None:
+            self._expiry.push(job.job_id, now + limit)
+
+    def _admit_cascade(self, tier_idx: int, now: float) -> bool:
+        """Backpressure: under pressure only one probe cascade at a time goes to the tier."""
+        bp = self._backpressure[tier_idx]
+        if bp is None:
+            return True
+        inflight = self._cascades_inflight[tier_idx]
+        if inflight:
+            bp.on_outstanding(now - next(iter(inflight.values())))
+        if not bp.under_pressure:
+            return True
+        if not inflight:
+            self._stats["cascade_probes"] += 1
+            return True
+        return False
+
+    def _time_out(self, rec: _Transfer, now: float) -> None:
+        """The transfer's deadline passed: it ends timed_out; its slots wait in quarantine for the tier."""
+        job = rec.job
+        job.time_out()  # the effect is release, carried out when the tier reports (see _release)
+        del self._transfer_jobs[job.job_id]
+        self._quarantine[job.job_id] = rec
+        if job.kind is JobKind.CASCADE:
+            self._cascades_inflight[rec.tier].pop(job.job_id, None)
+            bp = self._backpressure[rec.tier]
+            if bp is not None:
+                bp.on_completed(now - rec.submitted_at)  # a timeout is a latency at least this long
+            self._stats["cascades_timed_out"] += 1
+        else:
+            self._stats["promotions_timed_out"] += len(job.keys)
+
+    def _release(self, rec: _Transfer, *, success: bool, invalidate: bool) -> None:
+        """Hand back what a timed-out transfer held, as for a failure (a late success never commits)."""
+        job = rec.job
+        if job.kind is JobKind.PROMOTE:
+            self._primary.complete_write(job.keys, False)
+            if invalidate and not success:
+                self._invalidate(self._tiers[rec.tier], job.keys)
+        else:
+            self._primary.complete_read(job.keys)
 
     def _flush_promotions(self) -> None:
         primary = self._primary
@@ -282,10 +504,12 @@ class TieringManager(OffloadingManager):
         if not self._polled:
             self._poll()
 
-    def _poll(self) -> None:
+    def _poll(self, skip: frozenset[int] | set[int] = frozenset()) -> None:
         """Apply every finished tier job. A tier's batch is validated whole before any of it is applied."""
         self._polled = True
         for i, tier in enumerate(self._tiers):
+            if i in skip:
+                continue
             results = list(tier.get_finished_jobs())
             if results:
                 self._apply(i, tier, self._validate(i, tier, results))
@@ -297,6 +521,8 @@ class TieringManager(OffloadingManager):
             if res.job_id in self._stale_ids:
                 continue
             rec = self._transfer_jobs.get(res.job_id)
+            if rec is None:
+                rec = self._quarantine.get(res.job_id)  # a late result of a timed-out transfer
             if rec is None or rec.tier != tier_idx or res.job_id in seen:
                 why = (
                     "reported twice in one batch"
@@ -317,8 +543,15 @@ class TieringManager(OffloadingManager):
 
     def _apply(self, tier_idx: int, tier: SecondaryTier, results: list[JobResult]) -> None:
         primary = self._primary
+        now = self._clock()
         for res in results:
-            job = self._transfer_jobs.pop(res.job_id).job
+            late = self._quarantine.pop(res.job_id, None)
+            if late is not None:
+                self._stats["late_results"] += 1
+                self._release(late, success=res.success, invalidate=True)
+                continue
+            rec = self._transfer_jobs.pop(res.job_id)
+            job = rec.job
             if res.success:
                 job.ack(1)
             else:
@@ -331,11 +564,19 @@ class TieringManager(OffloadingManager):
                     self._stats["promotions_failed"] += len(job.keys)
                     # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
                     # would promote it again forever.
-                    invalidate = getattr(tier, "invalidate", None)
-                    if callable(invalidate):
-                        for key in job.keys:
-                            invalidate(key)
+                    self._invalidate(tier, job.keys)
             else:
+                self._cascades_inflight[tier_idx].pop(job.job_id, None)
+                bp = self._backpressure[tier_idx]
+                if bp is not None and res.success:
+                    bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
                 # Either way the primary copy stays valid: unpin it.
                 primary.complete_read(job.keys)
                 self._stats["cascades_completed" if res.success else "cascades_failed"] += 1
+
+    @staticmethod
+    def _invalidate(tier: SecondaryTier, keys: Sequence[OffloadKey]) -> None:
+        invalidate = getattr(tier, "invalidate", None)
+        if callable(invalidate):
+            for key in keys:
+                invalidate(key)

@@ -8,11 +8,13 @@ single ``index_select`` / ``index_copy_`` on dim 0. Dim 1 holds K and V. Tensor 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
+from kvfsm.data.hostmem import host_buffer
 from kvfsm.errors import ConfigError
 from kvfsm.validation import is_int, require_positive_int
 
@@ -88,8 +90,20 @@ class KVCacheSpec:
 
 
 def allocate_kv_caches(spec: KVCacheSpec) -> list[torch.Tensor]:
-    """One zero-filled tensor per layer, each of shape ``spec.layer_shape``."""
-    return [torch.zeros(spec.layer_shape, dtype=spec.dtype, device=spec.torch_device) for _ in range(spec.num_layers)]
+    """One zero-filled tensor per layer, each of shape ``spec.layer_shape``.
+
+    The layers are views of one allocation, equally spaced, so the copy backends can gather or scatter a block
+    of every layer with one index kernel (see :mod:`kvfsm.data.plan`); each is still its own tensor.
+    """
+    shape = (spec.num_layers, *spec.layer_shape)
+    if spec.torch_device.type == "cpu":
+        # Host-resident caches (the CPU engine): aligned and on huge pages, like the slot pool.
+        elem = torch.empty((), dtype=spec.dtype).element_size()
+        stacked = host_buffer(math.prod(shape) * elem).view(spec.dtype).view(shape)
+        stacked.zero_()
+    else:
+        stacked = torch.zeros(shape, dtype=spec.dtype, device=spec.torch_device)
+    return list(stacked.unbind(0))
 
 
 def head_shard(num_heads: int, world_size: int, rank: int) -> slice:

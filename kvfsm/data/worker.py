@@ -26,18 +26,31 @@ import torch
 from kvfsm.control.job import Job
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+from kvfsm.data.cuda import CudaCopyBackend
 from kvfsm.data.layout import is_int, shard_kv_caches
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.errors import ConfigError
 from kvfsm.states import JobKind
 
-__all__ = ["OffloadingWorker", "PoolFactory", "make_workers"]
+__all__ = ["BackendFactory", "OffloadingWorker", "PoolFactory", "default_backend", "make_workers"]
 
 logger = logging.getLogger(__name__)
 
 #: Builds one rank's pool: ``(num_slots, blocks_per_chunk, block_shape, num_layers, dtype)``;
 #: :class:`CPUSlotPool` itself is one.
 PoolFactory = Callable[[int, int, tuple[int, ...], int, torch.dtype], CPUSlotPool]
+
+#: Builds one rank's copy backend: ``(kv shard, pool, blocks_per_chunk, max_workers)``.
+BackendFactory = Callable[[list[torch.Tensor], CPUSlotPool, int, int], CopyBackend]
+
+
+def default_backend(
+    shard: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int, max_workers: int
+) -> CopyBackend:
+    """:class:`CudaCopyBackend` for CUDA caches, else :class:`ThreadPoolCopyBackend`."""
+    if shard and shard[0].device.type == "cuda":
+        return CudaCopyBackend(shard, pool, blocks_per_chunk)
+    return ThreadPoolCopyBackend(shard, pool, blocks_per_chunk, max_workers=max_workers)
 
 
 class OffloadingWorker:
@@ -180,6 +193,7 @@ def make_workers(
     blocks_per_chunk: int,
     num_slots: int,
     max_workers: int = 2,
+    backend_factory: BackendFactory = default_backend,
 ) -> list[OffloadingWorker]:
     """One worker per rank: its head shard of ``kv_caches``, its own pool shard and copy backend."""
     workers: list[OffloadingWorker] = []
@@ -187,6 +201,6 @@ def make_workers(
         shard = shard_kv_caches(kv_caches, world_size, rank)
         block_shape = tuple(int(d) for d in shard[0].shape[1:])
         pool = pool_factory(num_slots, blocks_per_chunk, block_shape, len(shard), shard[0].dtype)
-        backend = ThreadPoolCopyBackend(shard, pool, blocks_per_chunk, max_workers=max_workers)
+        backend = backend_factory(shard, pool, blocks_per_chunk, max_workers)
         workers.append(OffloadingWorker(rank, world_size, backend))
     return workers

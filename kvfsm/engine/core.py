@@ -8,6 +8,7 @@ engine machine settles: running, finishing, draining (nothing to run but has_pen
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -23,15 +24,21 @@ from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, Sched
 from kvfsm.data.layout import KVCacheSpec, allocate_kv_caches
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.data.worker import OffloadingWorker, make_workers
+from kvfsm.deadlines import Clock, Deadlines, ShutdownReport, run_bounded_all
 from kvfsm.engine.block_pool import BlockPool
 from kvfsm.engine.kv_values import block_pattern
 from kvfsm.engine.requests import EngineRequest, RequestStatus
-from kvfsm.errors import ConfigError, DuplicateRequestError, UnknownRequestError
+from kvfsm.errors import ConfigError, DuplicateRequestError, KvfsmError, UnknownRequestError
 from kvfsm.machines import engine_machine
 from kvfsm.states import EngineEvent, EngineState
 from kvfsm.validation import require_positive_int
 
 __all__ = ["EngineConfig", "IntegrityStats", "ReferenceEngine", "StepRecord"]
+
+logger = logging.getLogger(__name__)
+
+#: Time a bounded shutdown still gives each phase once its deadline has passed (the "small margin").
+_SHUTDOWN_GRACE_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +120,10 @@ class ReferenceEngine:
         *,
         manager: OffloadingManager | None = None,
         workers: list[OffloadingWorker] | None = None,
+        deadlines: Deadlines | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        """``deadlines`` and ``clock`` go to the connector's scheduler half (see kvfsm.deadlines)."""
         self.config = cfg = config or EngineConfig()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.kv_spec = KVCacheSpec(
@@ -133,7 +143,9 @@ class ReferenceEngine:
         offload = OffloadConfig(
             cfg.tokens_per_block, cfg.blocks_per_chunk, cfg.world_size, cfg.drain, cfg.offload_prompt_only
         )
-        self.scheduler = OffloadingScheduler(offload, self.manager, checked=cfg.checked)
+        self.scheduler = OffloadingScheduler(
+            offload, self.manager, checked=cfg.checked, deadlines=deadlines, clock=clock
+        )
         self.workers = (
             workers
             if workers is not None
@@ -162,6 +174,10 @@ class ReferenceEngine:
         self.timeline: list[StepRecord] = []
         self.integrity = IntegrityStats()
         self.blocking_waits = 0
+        # Destination blocks of timed-out loads whose copies may still be writing them, per job id: kept
+        # out of the pool until the scheduler says every launched copy has reported.
+        self._quarantined_blocks: dict[int, list[int]] = {}
+        self._pending_preempts: set[str] = set()  # requests re-queued after a timed-out load
 
     # ------------------------------------------------------------------ engine machine model
 
@@ -298,6 +314,9 @@ class ReferenceEngine:
 
     def _schedule(self) -> _StepPlan:
         plan = _StepPlan()
+        # Requests re-queued after a timed-out load: the connector sees them preempted this step.
+        plan.preempted |= {r for r in self._pending_preempts if not self.requests[r].is_finished}
+        self._pending_preempts.clear()
         budget = self.config.max_num_batched_tokens
         # Running requests first, oldest first; preempt the newest when blocks run out.
         i = 0
@@ -419,10 +438,17 @@ class ReferenceEngine:
 
     def _finish_loads(self) -> None:
         errors = self.scheduler.take_load_errors()
+        for job_id in self.scheduler.take_released_quarantine():
+            blocks = self._quarantined_blocks.pop(job_id, None)
+            if blocks:
+                self.block_pool.free(blocks)
         for req_id, (req, job_id, external) in list(self.loading.items()):
             if self.scheduler.job(job_id) is not None:
                 continue  # still awaiting acks
             del self.loading[req_id]
+            if self.scheduler.is_quarantined(job_id):
+                self._quarantine_load(req, job_id, external)
+                continue
             if req.aborted:
                 self.block_pool.free(req.block_ids)
                 self.finished.append(req)
@@ -436,6 +462,29 @@ class ReferenceEngine:
                 self.integrity.loads_completed += 1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def _quarantine_load(self, req: EngineRequest, job_id: int, external: int) -> None:
+        """The load timed out but its copy may still write its destination blocks: keep those out of the
+        pool until it reports, free the rest, and re-queue the request to start over with fresh blocks."""
+        tpb = self.config.tokens_per_block
+        first = req.num_computed_tokens // tpb
+        dest = req.block_ids[first : first + external // tpb]
+        self._quarantined_blocks[job_id] = dest
+        self.block_pool.free(req.block_ids[:first] + req.block_ids[first + len(dest) :])
+        req.block_ids = []
+        self.integrity.loads_failed += 1
+        if req.aborted:
+            self.finished.append(req)
+            return
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self._pending_preempts.add(req.req_id)
+
+    @property
+    def quarantined_blocks(self) -> dict[int, list[int]]:
+        """GPU blocks held back from the pool per timed-out load job (a copy)."""
+        return {jid: list(b) for jid, b in self._quarantined_blocks.items()}
 
     def _cache_loaded(self, req: EngineRequest, num_local: int, external: int) -> None:
         """Loaded blocks join the GPU prefix cache (as vLLM caches them once the load is done), so a
@@ -465,29 +514,79 @@ class ReferenceEngine:
     def reset_offload_cache(self) -> None:
         self.scheduler.reset_cache()
 
-    def shutdown(self, max_rounds: int = 10_000) -> None:
-        """Abort live requests, flush every transfer (the one place a blocking wait is allowed), stop."""
+    def shutdown(self, timeout: float | None = None, max_rounds: int = 10_000) -> ShutdownReport:
+        """Abort live requests, drain what can be drained, stop (the one place a wait is allowed).
+
+        With ``timeout`` (seconds) the whole shutdown returns within about ``timeout`` plus a small
+        margin, even when a transfer or a tier hangs: empty steps run until nothing is pending or the
+        deadline passes; then jobs no worker launched are cancelled and launched ones time out (their
+        memory is quarantined until their copies report), ``stop`` fires, and the workers and the manager
+        are shut down within the time left, on helper threads. Without ``timeout`` it waits for every
+        transfer (the old behaviour). Returns what had to be given up on.
+        """
+        start = time.monotonic()
+        report = ShutdownReport()
         if self.state is EngineState.STOPPED:
-            return
+            report.already_stopped = True
+            return report
+        end = None if timeout is None else start + max(0.0, timeout)
+
+        def left() -> float:
+            return _SHUTDOWN_GRACE_S if end is None else max(end - time.monotonic(), _SHUTDOWN_GRACE_S)
+
         for req_id in [r.req_id for r in (*self.waiting, *self.running)]:
             self.abort(req_id)
         self._machine.fire(self, EngineEvent.SHUTDOWN)
-        # Plan the final stores of finished requests, then launch everything still unlaunched.
-        meta = self.scheduler.build_connector_meta(SchedulerOutput())
-        for w in self.workers:
-            w.before_forward(meta)
-            w.after_forward(meta)
         for _ in range(max_rounds):
+            # An empty step: plan the finished requests' last stores, poll the manager, launch.
+            meta = self.scheduler.build_connector_meta(SchedulerOutput())
+            for w in self.workers:
+                w.before_forward(meta)
+                w.after_forward(meta)
             if not self.has_pending_push_work():
                 break
-            for w in self.workers:
-                w.wait_all()
+            if end is None:
+                for w in self.workers:
+                    w.wait_all()
+            elif time.monotonic() >= end:
+                report.deadline_hit = True
+                break
+            else:
+                time.sleep(min(0.001, max(0.0, end - time.monotonic())))  # let copies and tier I/O progress
             out = WorkerOutput()
             for w in self.workers:
                 out.merge(w.poll())
             self.scheduler.update_connector_output(out)
             self._finish_loads()
+        if self.has_pending_push_work():
+            cancelled, timed_out = self.scheduler.abandon_jobs()
+            report.jobs_cancelled += cancelled
+            report.jobs_timed_out += timed_out
+            self._finish_loads()
         self._machine.fire(self, EngineEvent.STOP)
+        if end is None:
+            for w in self.workers:
+                w.shutdown()
+            stuck: list[str] = []
+        else:
+            stuck = run_bounded_all([(f"worker {w.rank}", w.shutdown) for w in self.workers], left())
+            report.abandoned.extend(stuck)
+        # Copies that ended while the workers shut down report now, which releases their quarantine.
+        out = WorkerOutput()
         for w in self.workers:
-            w.shutdown()
-        self.scheduler.shutdown()
+            if f"worker {w.rank}" not in stuck:
+                out.merge(w.poll())
+        try:
+            self.scheduler.update_connector_output(out)
+        except KvfsmError:
+            logger.exception("reports collected at shutdown were malformed; ignoring them")
+        before = self.scheduler.stats.quarantine_abandoned
+        if not self.scheduler.shutdown(None if end is None else left()):
+            report.abandoned.append("manager")
+        report.quarantine_abandoned = self.scheduler.stats.quarantine_abandoned - before
+        self._finish_loads()
+        for blocks in self._quarantined_blocks.values():
+            self.block_pool.free(blocks)
+        self._quarantined_blocks.clear()
+        report.elapsed_s = time.monotonic() - start
+        return report

@@ -1,0 +1,489 @@
+"""Breadth-first exploration of :class:`~kvfsm.check.model.Model`, with the shortest counterexample.
+
+:func:`explore` visits every reachable canonical state once, in breadth-first order, recording for each
+its BFS parent and the event that reached it, so the first violation found has a shortest path. Every
+spec invariant is checked in every state as it is discovered; a transition that breaks one (or asks a
+spec machine for an event it disables) is a violation on that edge. Once every state is known, a
+liveness check runs on the explored graph by reverse reachability: every state must be able to reach an
+idle engine with nothing pending using only the engine's own steps, the requests' ends and transfer
+completions (no new arrivals, no reset), so no execution can stay in ``draining`` (or anywhere else)
+forever while transfers keep completing.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvfsm.check.model import (
+    COPYING,
+    E_NAMES,
+    E_RUN,
+    KIND_NAMES,
+    SHARD_NAMES,
+    Bounds,
+    Canonical,
+    Label,
+    Model,
+    ModelViolation,
+    State,
+    slot_state,
+)
+from kvfsm.states import EngineState, JobState
+
+__all__ = [
+    "LIVENESS",
+    "ExplorationResult",
+    "Graph",
+    "Violation",
+    "describe_label",
+    "describe_state",
+    "explore",
+    "format_trace",
+    "stable_trace",
+]
+
+#: The name under which a liveness failure is reported (it is not one of spec/invariants.toml's).
+LIVENESS = "liveness"
+
+#: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
+_NOT_PROGRESS = frozenset({"arrive", "reset"})
+
+#: Called every so often with (states, edges, queue length, seconds).
+ProgressCallback = Callable[[int, int, int, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """An invariant broken in a reachable state (``label`` None) or by one transition from it."""
+
+    invariant: str
+    detail: str
+    path: tuple[Label, ...]  #: shortest sequence of events from the initial state
+    states: tuple[State, ...]  #: the canonical states along the path, the initial one first
+    label: Label | None = None  #: the violating event itself, applied to ``states[-1]``
+
+    @property
+    def length(self) -> int:
+        """Events in the counterexample, the violating one included."""
+        return len(self.path) + (self.label is not None)
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.detail} (counterexample of {self.length} events)"
+
+
+@dataclass(slots=True)
+class Graph:
+    """The explored graph: canonical states by id (0 is the initial one), BFS parents, and every edge."""
+
+    states: list[State]
+    parent: array[int]  #: BFS parent of each state (-1 for the initial one)
+    parent_label: list[int]  #: index into ``labels`` of the event from the parent
+    src: array[int] = field(default_factory=lambda: array("i"))
+    dst: array[int] = field(default_factory=lambda: array("i"))
+    label: array[int] = field(default_factory=lambda: array("i"))
+    labels: list[Label] = field(default_factory=list)  #: distinct labels, interned
+
+    def path_to(self, sid: int) -> list[tuple[int, Label]]:
+        """The shortest path to state ``sid``: (source state id, event) pairs from the initial state."""
+        out: list[tuple[int, Label]] = []
+        while self.parent[sid] >= 0:
+            out.append((self.parent[sid], self.labels[self.parent_label[sid]]))
+            sid = self.parent[sid]
+        out.reverse()
+        return out
+
+    def edges(self) -> list[tuple[int, Label, int]]:
+        return [(s, self.labels[lab], d) for s, lab, d in zip(self.src, self.label, self.dst, strict=True)]
+
+
+@dataclass(slots=True)
+class ExplorationResult:
+    bounds: Bounds
+    states: int
+    edges: int
+    seconds: float
+    violations: list[Violation]
+    graph: Graph | None
+    complete: bool  #: every reachable state was explored (no stop at a first violation)
+    pruned: int = 0  #: edges not explored because of Bounds.max_jobs
+    liveness_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def states_per_second(self) -> float:
+        return self.states / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "bounds": self.bounds.as_dict(),
+            "states": self.states,
+            "edges": self.edges,
+            "seconds": round(self.seconds, 3),
+            "states_per_second": round(self.states_per_second),
+            "complete": self.complete,
+            "pruned_edges": self.pruned,
+            "liveness_checked": self.liveness_checked,
+            "violations": [
+                {
+                    "invariant": v.invariant,
+                    "detail": v.detail,
+                    "length": v.length,
+                    "trace": [
+                        describe_label(st, lab)
+                        for st, lab in zip(v.states, (*v.path, v.label), strict=False)
+                        if lab is not None
+                    ],
+                }
+                for v in self.violations
+            ],
+        }
+
+
+def explore(
+    bounds: Bounds | None = None,
+    *,
+    stop_at_first: bool = True,
+    keep_graph: bool = True,
+    check_liveness: bool = True,
+    max_states: int = 0,
+    symmetry: bool = True,
+    progress: ProgressCallback | None = None,
+    progress_every: int = 20_000,
+    model: Model | None = None,
+) -> ExplorationResult:
+    """Explore every reachable state of the model at ``bounds``.
+
+    ``stop_at_first``: return at the first violation (its counterexample is a shortest one). Otherwise keep
+    going and report the first violation of each invariant. ``keep_graph`` keeps every edge (needed for
+    the liveness check and for model-based tests). ``max_states`` > 0 stops early (``complete`` False).
+    ``symmetry=False`` explores raw states (no symmetry reduction), for comparison.
+    """
+    model = model if model is not None else Model(bounds)
+    bounds = model.bounds
+    canonical: Callable[[State], State] = model.canonical if symmetry else _identity
+    successors = model.successors
+    invariants = model.invariants
+    start = time.perf_counter()
+
+    init = canonical(model.initial)
+    ids: dict[State, int] = {init: 0}
+    states: list[State] = [init]
+    parent = array("i", [-1])
+    parent_label: list[int] = [-1]
+    label_ids: dict[Label, int] = {}
+    labels: list[Label] = []
+    src = array("i")
+    dst = array("i")
+    lab_arr = array("i")
+    violations: list[Violation] = []
+    seen_invariants: set[str] = set()
+    graph = Graph(states, parent, parent_label, src, dst, lab_arr, labels)
+    pruned = 0
+    edges = 0
+
+    def label_id(label: Label) -> int:
+        lid = label_ids.get(label)
+        if lid is None:
+            lid = label_ids[label] = len(labels)
+            labels.append(label)
+        return lid
+
+    def record(invariant: str, detail: str, sid: int, label: Label | None) -> bool:
+        if invariant in seen_invariants:
+            return False
+        seen_invariants.add(invariant)
+        path = graph.path_to(sid)
+        violations.append(
+            Violation(
+                invariant,
+                detail,
+                tuple(lab for _, lab in path),
+                tuple([states[s] for s, _ in path] + [states[sid]]),
+                label,
+            )
+        )
+        return stop_at_first
+
+    def finish(complete: bool, liveness: bool) -> ExplorationResult:
+        return ExplorationResult(
+            bounds,
+            len(states),
+            edges,
+            time.perf_counter() - start,
+            violations,
+            graph if keep_graph else None,
+            complete,
+            pruned,
+            liveness,
+        )
+
+    for name, detail in invariants(init):
+        if record(name, detail, 0, None):
+            return finish(False, False)
+
+    i = 0
+    while i < len(states):
+        s = states[i]
+        for label, nxt in successors(s):
+            if nxt is None:
+                pruned += 1
+                continue
+            if isinstance(nxt, ModelViolation):
+                if record(nxt.invariant, nxt.detail, i, label):
+                    return finish(False, False)
+                continue
+            # A known state is its own canonical form (canonical() is idempotent): skip the renumbering.
+            sid = ids.get(nxt)
+            c = nxt
+            if sid is None:
+                c = canonical(nxt)
+                sid = ids.get(c)
+            if sid is None:
+                sid = ids[c] = len(states)
+                states.append(c)
+                parent.append(i)
+                parent_label.append(label_id(label))
+                for name, detail in invariants(c):
+                    if record(name, detail, sid, None):
+                        edges += 1
+                        return finish(False, False)
+            edges += 1
+            if keep_graph:
+                src.append(i)
+                dst.append(sid)
+                lab_arr.append(label_id(label))
+        i += 1
+        if progress is not None and i % progress_every == 0:
+            progress(len(states), edges, len(states) - i, time.perf_counter() - start)
+        if max_states and len(states) >= max_states:
+            return finish(False, False)
+    if progress is not None:
+        progress(len(states), edges, 0, time.perf_counter() - start)
+
+    liveness = False
+    if check_liveness and keep_graph and not (violations and stop_at_first):
+        liveness = True
+        dead = _liveness(graph, model, pruned > 0)
+        if dead is not None:
+            record(LIVENESS, _liveness_detail(states[dead]), dead, None)
+    return finish(True, liveness)
+
+
+def _identity(s: State) -> State:
+    return s
+
+
+def _is_goal(s: State) -> bool:
+    return s.engine is EngineState.IDLE and not s.tier and not any(j.state in _LIVE for j in s.jobs)
+
+
+_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+
+
+def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
+    """The first state (in BFS order) that cannot reach an idle engine with nothing pending, or None.
+
+    Reverse reachability from the goal states over progress edges only. With pruned edges (max_jobs) a
+    state that lost an edge is optimistically assumed live.
+    """
+    n = len(graph.states)
+    progress_label = [lab[0] not in _NOT_PROGRESS for lab in graph.labels]
+    # Reverse adjacency in CSR form.
+    count = array("i", bytes(4 * (n + 1)))
+    for d, lab in zip(graph.dst, graph.label, strict=True):
+        if progress_label[lab]:
+            count[d + 1] += 1
+    for k in range(n):
+        count[k + 1] += count[k]
+    fill = array("i", count)
+    rev = array("i", bytes(4 * max(count[n], 1)))
+    for s, d, lab in zip(graph.src, graph.dst, graph.label, strict=True):
+        if progress_label[lab]:
+            rev[fill[d]] = s
+            fill[d] += 1
+    live = bytearray(n)
+    stack = [sid for sid, st in enumerate(graph.states) if _is_goal(st)]
+    for sid in stack:
+        live[sid] = 1
+    if pruned:
+        # Any state with a pruned successor might reach the goal through it: count it as live.
+        for sid, st in enumerate(graph.states):
+            if not live[sid] and any(nxt is None for _, nxt in model.successors(st)):
+                live[sid] = 1
+                stack.append(sid)
+    while stack:
+        d = stack.pop()
+        for k in range(count[d], count[d + 1]):
+            s = rev[k]
+            if not live[s]:
+                live[s] = 1
+                stack.append(s)
+    for sid in range(n):
+        if not live[sid]:
+            return sid
+    return None
+
+
+def _liveness_detail(s: State) -> str:
+    pending = sum(1 for j in s.jobs if j.state in _LIVE)
+    return (
+        f"from this state the engine ({s.engine.value}, {pending} awaited job(s), {len(s.tier)} tier "
+        "transfer(s)) can never reach idle with nothing pending, even if every transfer completes"
+    )
+
+
+# --------------------------------------------------------------------------------------------- traces
+
+Names = tuple[Sequence[str], Sequence[str]]
+
+
+def describe_label(s: State, label: Label, names: Names | None = None) -> str:
+    """One event in words, read against its source state ``s`` (``names``: stable request and job names)."""
+    kind = label[0]
+    if kind == "arrive":
+        return f"a request with prompt {label[1]} arrives"
+    if kind == "lookup":
+        i, g = label[1], label[2]
+        where = "" if g < 0 else f" (into the freed GPU blocks of group {g})"
+        return f"the engine looks up {_req(s, i, names)}{where}"
+    if kind == "step":
+        return f"the engine runs a step (engine {s.engine.value})"
+    if kind == "preempt":
+        return f"the engine runs a step that preempts {_req(s, label[1], names)}"
+    if kind == "finish":
+        r = s.reqs[label[1]]
+        verb = "finishes" if r.eng == E_RUN else "is aborted"
+        return f"{_req(s, label[1], names)} {verb}"
+    if kind == "reset":
+        return "reset_cache()"
+    if kind == "copy":
+        j, w, ok = label[1], label[2], label[3]
+        return f"worker {w}'s copy of {_job(s, j, names)} {'finishes' if ok else 'FAILS'}"
+    if kind == "tier":
+        rec = s.tier[label[1]]
+        return f"the tier's cascade of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+    return repr(label)
+
+
+def _req(s: State, i: int, names: Names | None) -> str:
+    r = s.reqs[i]
+    name = names[0][i] if names is not None else f"#{i}"
+    return f"request {name} (prompt {r.prompt}, {r.phase.value})"
+
+
+def _job(s: State, j: int, names: Names | None) -> str:
+    job = s.jobs[j]
+    name = names[1][j] if names is not None else f"#{j}"
+    owner = ""
+    if job.req >= 0:
+        owner = f" of request {names[0][job.req] if names is not None else f'#{job.req}'}"
+    stale = " (stale)" if job.state is JobState.STALE else ""
+    return f"{KIND_NAMES[job.kind]} job {name} keys {list(job.keys)}{owner}{stale}"
+
+
+def describe_state(s: State, names: Names | None = None) -> str:
+    """A compact one-line summary of a state."""
+    rn = names[0] if names is not None else [f"#{i}" for i in range(len(s.reqs))]
+    jn = names[1] if names is not None else [f"#{j}" for j in range(len(s.jobs))]
+    reqs = ", ".join(
+        f"{rn[i]} p{r.prompt} {r.phase.value}/{E_NAMES[r.eng]}" + (f" g{r.group}" if r.group >= 0 else "")
+        for i, r in enumerate(s.reqs)
+    )
+    jobs = ", ".join(
+        f"{jn[n]} {KIND_NAMES[j.kind]}{list(j.keys)} {j.state.value} pending={j.pending} "
+        + "/".join(SHARD_NAMES[sh] for sh in j.shards)
+        for n, j in enumerate(s.jobs)
+    )
+    slots = " ".join(
+        f"k{k}={slot_state(code).value}" + (f"({code})" if code > 0 else "") for k, code in enumerate(s.slots)
+    )
+    tier = ", ".join(f"{list(t.keys)} {'copying' if t.status == COPYING else 'done'}" for t in s.tier)
+    return (
+        f"engine={s.engine.value} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "
+        f"lru={list(s.lru)} | tier: {tier or '-'}"
+    )
+
+
+def stable_trace(model: Model, v: Violation) -> list[tuple[str, State | None, Names]]:
+    """The counterexample re-derived without symmetry, so that requests and jobs keep their names.
+
+    Each entry: (the event in words, the state after it or None for the violating event, the names).
+    """
+    s = model.initial
+    rnames: list[str] = []
+    jnames: list[str] = []
+    counters = [0, 0]
+    out: list[tuple[str, State | None, Names]] = []
+    labels = [*v.path, *([v.label] if v.label is not None else [])]
+    for lab in labels:
+        local = _translate(lab, model.canonical_with_maps(s))
+        text = describe_label(s, local, (rnames, jnames))
+        nxt = model.apply(s, local)
+        if not isinstance(nxt, State):
+            out.append((text, None, (list(rnames), list(jnames))))
+            break
+        kept = model.last_kept
+        if local[0] == "arrive":
+            counters[0] += 1
+            rnames.append(f"R{counters[0]}")
+        extra = len(nxt.jobs) if kept is None else max(kept[1], default=-1) + 1
+        extra -= len(jnames)
+        for _ in range(max(extra, 0)):
+            counters[1] += 1
+            jnames.append(f"J{counters[1]}")
+        if kept is not None:
+            rnames = [rnames[i] for i in kept[0]]
+            jnames = [jnames[j] for j in kept[1]]
+        out.append((text, nxt, (list(rnames), list(jnames))))
+        s = nxt
+    return out
+
+
+def _translate(label: Label, maps: Canonical) -> Label:
+    """A label of the canonical state, in the indices of the state it was derived from."""
+    kind = label[0]
+    if kind == "lookup":
+        inverse = {new: old for old, new in maps.groups.items()}
+        g = label[2]
+        return (kind, maps.reqs[label[1]], inverse[g] if g >= 0 else g)
+    if kind in ("preempt", "finish"):
+        return (kind, maps.reqs[label[1]])
+    if kind == "copy":
+        return (kind, maps.jobs[label[1]], maps.workers[label[2]], label[3])
+    if kind == "tier":
+        return (kind, maps.tier[label[1]], label[2])
+    return label
+
+
+def format_trace(v: Violation, model: Model | None = None, *, states: bool = True) -> str:
+    """The counterexample as numbered events (and, with ``states``, the state after each).
+
+    With ``model`` (the one that found it), requests and jobs get stable names (R1, J1, ...) across the
+    trace; without it, indices refer to each step's canonical state.
+    """
+    lines = [f"VIOLATION {v.invariant}: {v.detail}", f"shortest counterexample: {v.length} events"]
+    if states:
+        lines.append(f"   0. initial: {describe_state(v.states[0])}")
+    if model is not None:
+        steps = stable_trace(model, v)
+        for n, (text, after, names) in enumerate(steps, 1):
+            mark = f"  <-- {v.invariant}" if after is None else ""
+            lines.append(f"  {n:2}. {text}{mark}")
+            if states and after is not None:
+                lines.append(f"      -> {describe_state(after, names)}")
+    else:
+        for n, (lab, st) in enumerate(zip(v.path, v.states, strict=False), 1):
+            lines.append(f"  {n:2}. {describe_label(st, lab)}")
+            if states:
+                lines.append(f"      -> {describe_state(v.states[n])}")
+        if v.label is not None:
+            lines.append(f"  {v.length:2}. {describe_label(v.states[-1], v.label)}  <-- {v.invariant}")
+    if v.label is None:
+        lines.append(f"      this state breaks {v.invariant}")
+    return "\n".join(lines)

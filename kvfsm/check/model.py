@@ -1,0 +1,1288 @@
+"""The abstract model that :mod:`kvfsm.check` explores: the offloading protocol at small bounds.
+
+What it models, at the granularity of the implementation's API (so that a path can be replayed on the real
+code, step for step, by :mod:`kvfsm.check.replay`):
+
+* an engine (the engine machine) that admits requests, looks them up, runs steps, preempts, finishes or
+  aborts them, and resets the offload cache;
+* requests (the request machine) with one of ``P`` prompts of ``C`` chunks; all prompts share chunk 0, so
+  requests compete for chunks and CPU slots;
+* the connector's scheduler half: store and load jobs (the job machine), each copied by ``W`` workers
+  that launch, finish and report their shards independently (a shard may fail);
+* the CPU primary tier: one slot machine per chunk key, ``S`` slots, LRU eviction;
+* optionally one write-through secondary tier whose cascades are the manager's pending work;
+* GPU memory as ``G`` block groups (one request's blocks each), so a finished request's blocks can be
+  handed to another request while its stores still read them (fences).
+
+Every transition of a job, slot, request or engine goes through the compiled spec tables
+(:func:`kvfsm.machines.job_machine` and friends) with the spec's guards, and every decision that the
+implementation makes in a pure function (``pending_push_work``, ``fenced_jobs``,
+``stale_threshold_after_reset``, ``is_evictable``) is taken by calling that same function, looked up when
+the :class:`Model` is built: a bug planted in one of them is seen here as in the real system.
+
+States are immutable named tuples. :meth:`Model.canonical` maps a state to a representative of its
+symmetry class: requests (interchangeable apart from their prompt), jobs, GPU block groups and worker
+ranks are renumbered in a deterministic order, which is sound (the representative is isomorphic to the
+state) even where it does not merge every symmetric pair.
+
+Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
+one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tier
+never hits, so there are no promotions; a flush's blocking wait always completes the copy successfully;
+no deadlines and no shutdown (the engine machine's ``shutdown`` / ``stop`` rows are not explored); a reset
+is modelled with relative job ids (a discarded job is "below the threshold" iff its id 0 is below
+``stale_threshold_after_reset(1, 0)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import kvfsm.control.cpu as cpu_mod
+import kvfsm.control.scheduler as scheduler_mod
+from kvfsm.errors import ConfigError, InvalidTransition
+from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
+from kvfsm.states import (
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobState,
+    RequestEvent,
+    RequestState,
+    SlotEvent,
+    SlotState,
+)
+
+__all__ = [
+    "ABSENT",
+    "CHECKED_INVARIANTS",
+    "E_DONE",
+    "E_LOAD",
+    "E_RUN",
+    "E_WAIT",
+    "LOAD",
+    "STORE",
+    "TOKENS_PER_BLOCK",
+    "WRITING",
+    "Bounds",
+    "Canonical",
+    "JobRec",
+    "Label",
+    "Model",
+    "ModelViolation",
+    "Req",
+    "State",
+    "TierRec",
+]
+
+#: Tokens per GPU block in the model (one block per chunk). A prompt has ``2 * chunks + 1`` tokens: the
+#: last token is always recomputed, so every chunk of a prompt can be loaded.
+TOKENS_PER_BLOCK = 2
+
+# Engine's view of a request.
+E_WAIT, E_LOAD, E_RUN, E_DONE = 0, 1, 2, 3
+E_NAMES = ("waiting", "loading", "running", "done")
+# Job kinds.
+STORE, LOAD = 0, 1
+KIND_NAMES = ("store", "load")
+# A worker's shard of a job.
+UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED = 0, 1, 2, 3, 4
+SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported")
+# A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
+ABSENT, WRITING, READY = -2, -1, 0
+
+_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+_WAITING_PHASES = (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED)
+_FINISHED_PHASES = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED)
+
+#: An event of the model, e.g. ``("copy", 1, 0, True)``: kind first, then indices into the source state.
+Label = tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The bounds of one exploration (the ``kvfsm check`` options)."""
+
+    requests: int = 2  #: requests that arrive, in all
+    prompts: int = 2  #: distinct prompts (all share chunk 0)
+    chunks: int = 2  #: chunks per prompt
+    workers: int = 2  #: W, tensor-parallel workers copying each job
+    slots: int = 2  #: CPU primary slots
+    groups: int = 2  #: GPU block groups (one request's blocks each)
+    tiers: int = 1  #: 0, or 1 write-through secondary tier (its cascades are the manager's pending work)
+    resets: int = 1  #: reset_cache calls
+    preemptions: int = 1  #: preemptions
+    failures: bool = True  #: worker shards and cascades may fail
+    max_jobs: int = 0  #: jobs created in all, 0 for no bound (edges past it are pruned, not explored)
+
+    def __post_init__(self) -> None:
+        positive = ("requests", "prompts", "chunks", "workers", "slots", "groups")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"bound {name} must be a positive integer, got {value!r}")
+        for name in ("tiers", "resets", "preemptions", "max_jobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"bound {name} must be a non-negative integer, got {value!r}")
+        if self.tiers > 1:
+            raise ConfigError(f"the model has at most one secondary tier, got tiers={self.tiers}")
+        if self.workers > 8:
+            raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
+
+    @property
+    def num_keys(self) -> int:
+        return 1 + self.prompts * (self.chunks - 1)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return TOKENS_PER_BLOCK * self.chunks + 1
+
+    def key(self, prompt: int, chunk: int) -> int:
+        """The key id of chunk ``chunk`` of prompt ``prompt``: chunk 0 is shared by all prompts."""
+        return 0 if chunk == 0 else 1 + prompt * (self.chunks - 1) + (chunk - 1)
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class Req(NamedTuple):
+    """A request: the scheduler's request-machine state plus what the engine knows of it."""
+
+    phase: RequestState  #: request machine state (deleted once the scheduler forgot it)
+    eng: int  #: E_WAIT, E_LOAD, E_RUN or E_DONE
+    prompt: int
+    computed: int  #: num_computed_tokens
+    next_chunk: int  #: the scheduler's next_stored_chunk
+    group: int  #: GPU block group of its blocks as the scheduler knows them (-1: none); the engine holds it
+    #: only while the request is loading or running
+    pos: int  #: position in the engine's running list (E_RUN) or loading map (E_LOAD), else -1
+    fin_pos: int  #: position among requests finished since the last step (finished_unsignalled), else -1
+    alloc: bool  #: its group was allocated in the step being scheduled (the open batch)
+
+
+class JobRec(NamedTuple):
+    """A store or load job: the scheduler's job-machine model plus each worker's shard."""
+
+    kind: int  #: STORE or LOAD
+    keys: tuple[int, ...]
+    req: int  #: index of its request while the scheduler awaits it, else -1
+    group: int  #: GPU group a store reads or a load writes
+    state: JobState
+    pending: int
+    failed_reports: int
+    shards: tuple[int, ...]  #: per worker rank: UNLAUNCHED .. REPORTED
+    ignored: bool  #: discarded by a reset and below the stale threshold: late reports are dropped
+    world_size: int
+
+
+class TierRec(NamedTuple):
+    """A cascade (primary to secondary tier) in flight: COPYING, DONE_OK or DONE_FAIL (not yet polled)."""
+
+    keys: tuple[int, ...]
+    status: int
+
+
+class State(NamedTuple):
+    engine: EngineState
+    reqs: tuple[Req, ...]
+    jobs: tuple[JobRec, ...]
+    slots: tuple[int, ...]  #: per key: ABSENT, WRITING, READY or the number of readers
+    lru: tuple[int, ...]  #: evictable keys, least recently used first
+    tier: tuple[TierRec, ...]
+    polled: bool  #: the tiering manager's once-per-step poll gate is closed
+    reset_flush: bool  #: the next metadata flushes the jobs a reset discarded
+    arrivals: int
+    resets: int
+    preemptions: int
+    created: int  #: jobs created (counted only when Bounds.max_jobs is set)
+
+
+class ModelViolation(Exception):
+    """A transition of the model broke a spec invariant (or asked a machine for a disabled event)."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+class _Pruned(Exception):
+    """The transition would exceed Bounds.max_jobs."""
+
+
+# --------------------------------------------------------------------------------------------- scratch models
+
+
+class _JobScratch:
+    __slots__ = ("failed_reports", "launched_mask", "pending", "state", "world_size")
+
+    def __init__(self, state: JobState, pending: int, failed: int, mask: int, world_size: int) -> None:
+        self.state = state
+        self.pending = pending
+        self.failed_reports = failed
+        self.launched_mask = mask
+        self.world_size = world_size
+
+
+class _SlotScratch:
+    __slots__ = ("readers", "state")
+
+    def __init__(self, state: SlotState, readers: int) -> None:
+        self.state = state
+        self.readers = readers
+
+
+class _ReqScratch:
+    __slots__ = ("_jobs", "state")
+
+    def __init__(self, state: RequestState, has_jobs: bool) -> None:
+        self.state = state
+        self._jobs = has_jobs
+
+    def has_jobs(self) -> bool:
+        return self._jobs
+
+
+class _EngineScratch:
+    __slots__ = ("_pending", "state")
+
+    def __init__(self, state: EngineState, pending: bool) -> None:
+        self.state = state
+        self._pending = pending
+
+    def has_pending_push_work(self) -> bool:
+        return self._pending
+
+
+def slot_state(code: int) -> SlotState:
+    if code == ABSENT:
+        return SlotState.ABSENT
+    if code == WRITING:
+        return SlotState.WRITING
+    return SlotState.READY if code == READY else SlotState.READING
+
+
+def _slot_code(state: SlotState, readers: int) -> int:
+    if state is SlotState.ABSENT:
+        return ABSENT
+    if state is SlotState.WRITING:
+        return WRITING
+    return readers
+
+
+def _mask(shards: Sequence[int]) -> int:
+    mask = 0
+    for rank, shard in enumerate(shards):
+        if shard != UNLAUNCHED:
+            mask |= 1 << rank
+    return mask
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+class _World:
+    """A mutable copy of a State, for the transitions that touch many parts of it."""
+
+    __slots__ = (
+        "arrivals",
+        "created",
+        "engine",
+        "jobs",
+        "lru",
+        "polled",
+        "preemptions",
+        "reqs",
+        "reset_flush",
+        "resets",
+        "slots",
+        "tier",
+    )
+
+    def __init__(self, s: State) -> None:
+        self.engine = s.engine
+        self.reqs: list[list[Any]] = [list(r) for r in s.reqs]
+        self.jobs: list[list[Any]] = [list(j) for j in s.jobs]
+        self.slots = list(s.slots)
+        self.lru = list(s.lru)
+        self.tier: list[list[Any]] = [list(t) for t in s.tier]
+        self.polled = s.polled
+        self.reset_flush = s.reset_flush
+        self.arrivals = s.arrivals
+        self.resets = s.resets
+        self.preemptions = s.preemptions
+        self.created = s.created
+
+    def freeze(self) -> State:
+        new = tuple.__new__
+        return new(
+            State,
+            (
+                self.engine,
+                tuple([new(Req, r) for r in self.reqs]),
+                tuple([new(JobRec, j) for j in self.jobs]),
+                tuple(self.slots),
+                tuple(self.lru),
+                tuple([new(TierRec, t) for t in self.tier]),
+                self.polled,
+                self.reset_flush,
+                self.arrivals,
+                self.resets,
+                self.preemptions,
+                self.created,
+            ),
+        )
+
+
+# Field positions, for the mutable lists of _World.
+_R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
+_J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
+_T_KEYS, _T_STATUS = range(2)
+
+#: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
+CHECKED_INVARIANTS = (
+    "pending_work_covers_jobs",
+    "idle_only_when_nothing_pending",
+    "readable_only_after_commit",
+    "evict_only_ready_unreferenced",
+    "gpu_source_not_overwritten",
+    "one_load_per_request",
+    "single_loader_per_chunk",
+    "complete_exactly_once",
+    "stale_ids_ignored",
+)
+
+#: Which invariant a disabled transition of each machine violates.
+_MACHINE_INVARIANT = {
+    "job": "complete_exactly_once",
+    "slot": "readable_only_after_commit",
+    "request": "one_load_per_request",
+    "engine": "idle_only_when_nothing_pending",
+}
+
+
+class Model:
+    """The transition system: :attr:`initial`, :meth:`successors`, :meth:`invariants`, :meth:`canonical`."""
+
+    def __init__(self, bounds: Bounds | None = None) -> None:
+        self.bounds = b = bounds if bounds is not None else Bounds()
+        self.W = b.workers
+        self.C = b.chunks
+        self.S = b.slots
+        self.G = b.groups
+        self.total_tokens = b.prompt_tokens
+        self.prompt_keys: tuple[tuple[int, ...], ...] = tuple(
+            tuple(b.key(p, c) for c in range(b.chunks)) for p in range(b.prompts)
+        )
+        # The spec machines, and the implementation's pure decisions, looked up now (after any patching).
+        self._job = job_machine()
+        self._slot = slot_machine()
+        self._req = request_machine()
+        self._engine = engine_machine()
+        self.pending_push_work: Callable[..., bool] = scheduler_mod.pending_push_work
+        self.fenced_jobs: Callable[..., set[int]] = scheduler_mod.fenced_jobs
+        self.stale_threshold_after_reset: Callable[[int, int], int] = scheduler_mod.stale_threshold_after_reset
+        self.is_evictable: Callable[[SlotState], bool] = cpu_mod.is_evictable
+        self._memo_job: dict[tuple[Any, ...], tuple[JobState, str | None] | InvalidTransition] = {}
+        self._memo_slot: dict[tuple[int, SlotEvent], int | InvalidTransition] = {}
+        self._memo_req: dict[tuple[Any, ...], tuple[RequestState, str | None] | InvalidTransition] = {}
+        self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
+        self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
+        self.last_kept: tuple[list[int], list[int]] | None = None
+        self.initial = State(EngineState.IDLE, (), (), (ABSENT,) * b.num_keys, (), (), False, False, 0, 0, 0, 0)
+
+    # ------------------------------------------------------------------ spec machines, memoized
+
+    def job_event(
+        self, state: JobState, pending: int, failed: int, mask: int, event: JobEvent, arg: int
+    ) -> tuple[JobState, str | None]:
+        key = (state, pending, failed, mask, event, arg)
+        r = self._memo_job.get(key)
+        if r is None:
+            scratch = _JobScratch(state, pending, failed, mask, self.W)
+            try:
+                effect = self._job.fire(scratch, event, arg)
+                r = (scratch.state, effect)
+            except InvalidTransition as exc:
+                r = exc
+            self._memo_job[key] = r
+        if isinstance(r, InvalidTransition):
+            raise ModelViolation(_MACHINE_INVARIANT["job"], str(r))
+        return r
+
+    def slot_event(self, code: int, event: SlotEvent, invariant: str | None = None) -> int:
+        key = (code, event)
+        r = self._memo_slot.get(key)
+        if r is None:
+            state = slot_state(code)
+            scratch = _SlotScratch(state, max(code, 0))
+            try:
+                self._slot.fire(scratch, event)
+                readers = scratch.readers
+                if event is SlotEvent.BEGIN_READ:
+                    readers += 1
+                elif event is SlotEvent.END_READ:
+                    readers -= 1
+                elif scratch.state is not SlotState.READING:
+                    readers = 0
+                r = _slot_code(scratch.state, readers)
+            except InvalidTransition as exc:
+                r = exc
+            self._memo_slot[key] = r
+        if isinstance(r, InvalidTransition):
+            raise ModelViolation(invariant or _MACHINE_INVARIANT["slot"], str(r))
+        return r
+
+    def req_event(self, phase: RequestState, event: RequestEvent, has_jobs: bool) -> tuple[RequestState, str | None]:
+        key = (phase, event, has_jobs)
+        r = self._memo_req.get(key)
+        if r is None:
+            scratch = _ReqScratch(phase, has_jobs)
+            try:
+                effect = self._req.fire(scratch, event)
+                r = (scratch.state, effect)
+            except InvalidTransition as exc:
+                r = exc
+            self._memo_req[key] = r
+        if isinstance(r, InvalidTransition):
+            raise ModelViolation(_MACHINE_INVARIANT["request"], str(r))
+        return r
+
+    def engine_event(self, state: EngineState, event: EngineEvent, pending: bool) -> EngineState:
+        key = (state, event, pending)
+        r = self._memo_engine.get(key)
+        if r is None:
+            scratch = _EngineScratch(state, pending)
+            try:
+                self._engine.fire(scratch, event)
+                r = scratch.state
+            except InvalidTransition as exc:
+                r = exc
+            self._memo_engine[key] = r
+        if isinstance(r, InvalidTransition):
+            raise ModelViolation(_MACHINE_INVARIANT["engine"], str(r))
+        return r
+
+    def evictable(self, code: int) -> bool:
+        return self._evictable[min(code, 1)]
+
+    # ------------------------------------------------------------------ derived views
+
+    @staticmethod
+    def live_jobs(jobs: Sequence[Any]) -> list[Any]:
+        """Jobs the scheduler awaits (its ``_jobs``)."""
+        return [j for j in jobs if j[_J_STATE] in _LIVE]
+
+    def has_pending_push_work(self, jobs: Sequence[JobRec], tier: Sequence[Any]) -> bool:
+        """The implementation's pending_push_work() over the model's awaited jobs and tier transfers."""
+        live = [j for j in jobs if j.state in _LIVE]
+        return self.pending_push_work(live, lambda: bool(tier))
+
+    # ------------------------------------------------------------------ successors
+
+    def apply(self, s: State, label: Label) -> State | ModelViolation | None:
+        """The successor of ``s`` by one event (as :meth:`successors` labels it), without the others.
+
+        Afterwards :attr:`last_kept` says which requests and jobs (old indices) survived, in order, when
+        the event dropped some (None when it dropped none); new ones are appended after them.
+        """
+        self.last_kept = None
+        kind = label[0]
+        if kind == "copy":
+            return self._copy_done(s, label[1], label[2], label[3])
+        if kind == "tier":
+            return self._tier_done(s, label[1], label[2])
+        if kind == "arrive":
+            return self._guard(self._arrive, s, label[1])
+        if kind == "lookup":
+            for lab, nxt in self._lookup_all(s, label[1]):
+                if lab == label:
+                    return nxt
+            raise ModelViolation("model", f"event {label!r} is not enabled")
+        if kind == "step":
+            return self._guard(self._step, s, -1)
+        if kind == "preempt":
+            return self._guard(self._step, s, label[1])
+        if kind == "finish":
+            return self._guard(self._finish_request, s, label[1])
+        if kind == "reset":
+            return self._guard(self._reset, s, -1)
+        raise ModelViolation("model", f"unknown event {label!r}")
+
+    def _lookup_all(self, s: State, i: int) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        used = self._groups_in_use(s)
+        owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
+        free_dirty = sorted(used - owned)
+        has_clean = len(used) < self.G
+        if s.reqs[i].eng == E_WAIT and (has_clean or free_dirty):
+            yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+
+    def successors(self, s: State) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        """Every enabled event of ``s`` with its successor (not canonical), a violation, or None (pruned)."""
+        b = self.bounds
+        batch_open = any(r.alloc for r in s.reqs)
+        # Environment: a copy or a cascade finishes (or fails).
+        outcomes = (True, False) if b.failures else (True,)
+        for j, job in enumerate(s.jobs):
+            for w, shard in enumerate(job.shards):
+                if shard == COPYING:
+                    for ok in outcomes:
+                        yield ("copy", j, w, ok), self._copy_done(s, j, w, ok)
+        for c, rec in enumerate(s.tier):
+            if rec.status == COPYING:
+                for ok in outcomes:
+                    yield ("tier", c, ok), self._tier_done(s, c, ok)
+        # Engine inputs.
+        if s.arrivals < b.requests:
+            for p in range(b.prompts):
+                yield ("arrive", p), self._guard(self._arrive, s, p)
+        used = self._groups_in_use(s)
+        owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
+        free_dirty = sorted(used - owned)
+        has_clean = len(used) < self.G
+        for i, r in enumerate(s.reqs):
+            if r.eng == E_WAIT and (has_clean or free_dirty):
+                yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+        if s.engine is not EngineState.IDLE:
+            yield ("step",), self._guard(self._step, s, -1)
+        if not batch_open:
+            for i, r in enumerate(s.reqs):
+                if r.eng == E_RUN and s.preemptions < b.preemptions:
+                    yield ("preempt", i), self._guard(self._step, s, i)
+                if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
+                    yield ("finish", i), self._guard(self._finish_request, s, i)
+            if s.resets < b.resets:
+                yield ("reset",), self._guard(self._reset, s, -1)
+
+    def _guard(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
+        try:
+            return fn(s, arg)
+        except ModelViolation as exc:
+            return exc
+        except _Pruned:
+            return None
+
+    @staticmethod
+    def _groups_in_use(s: State) -> set[int]:
+        used = {r.group for r in s.reqs if r.group >= 0}
+        used.update(j.group for j in s.jobs)
+        return used
+
+    def _copy_done(self, s: State, j: int, w: int, ok: bool) -> State:
+        job = s.jobs[j]
+        shards = list(job.shards)
+        shards[w] = DONE_OK if ok else DONE_FAIL
+        jobs = list(s.jobs)
+        jobs[j] = job._replace(shards=tuple(shards))
+        return s._replace(jobs=tuple(jobs))
+
+    def _tier_done(self, s: State, c: int, ok: bool) -> State:
+        tier = list(s.tier)
+        tier[c] = TierRec(tier[c].keys, DONE_OK if ok else DONE_FAIL)
+        return s._replace(tier=tuple(tier))
+
+    def _arrive(self, s: State, prompt: int) -> State:
+        engine = self.engine_event(s.engine, EngineEvent.ADMIT, False)
+        req = Req(RequestState.TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
+        return s._replace(engine=engine, reqs=(*s.reqs, req), arrivals=s.arrivals + 1)
+
+    # -- lookup: get_num_new_matched_tokens + update_state_after_alloc
+
+    def _lookup(
+        self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
+    ) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        try:
+            world = _World(s)
+            outcome = self._lookup_result(world, i)
+        except ModelViolation as exc:
+            yield ("lookup", i, -1), exc
+            return
+        if outcome is None:  # deferred: no blocks needed
+            yield ("lookup", i, -1), world.freeze()
+            return
+        options = ([-1] if has_clean else []) + free_dirty
+        for g in options:
+            yield ("lookup", i, g), self._guard(lambda st, gg: self._admit(st, i, gg, outcome), s, g)
+
+    def _lookup_result(self, w: _World, i: int) -> int | None:
+        """Runs get_num_new_matched_tokens on ``w``: the number of hit chunks, or None if deferred."""
+        r = w.reqs[i]
+        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        if has_jobs:
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, has_jobs)[0]
+            return None
+        self._maybe_poll(w)
+        being_loaded = {k for j in w.jobs if j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for k in j[_J_KEYS]}
+        hits = 0
+        must_wait = False
+        for key in self.prompt_keys[r[_R_PROMPT]]:
+            code = w.slots[key]
+            if code == ABSENT:
+                break  # the tier answers MISS too
+            if code == WRITING:
+                must_wait = True
+                break
+            if key in being_loaded:
+                must_wait = True
+                break
+            hits += 1
+        if must_wait:
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, False)[0]
+            return None
+        return hits
+
+    def _admit(self, s: State, i: int, g: int, hits: int) -> State:
+        w = _World(s)
+        self._lookup_result(w, i)  # the same calls again, on a fresh copy (deterministic)
+        if g < 0:
+            used = self._groups_in_use(s)
+            g = max(used, default=-1) + 1
+        r = w.reqs[i]
+        r[_R_GROUP] = g
+        r[_R_ALLOC] = True
+        if hits == 0:
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.SCHEDULE, False)[0]
+            r[_R_ENG] = E_RUN
+            r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_RUN and x is not r)
+            return w.freeze()
+        keys = self.prompt_keys[r[_R_PROMPT]][:hits]
+        self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)  # can_fire, before prepare_load
+        self._maybe_poll(w)
+        for key in keys:
+            self._begin_read(w, key)
+        r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)[0]
+        self._count_job(w)
+        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        r[_R_NEXT] = hits
+        r[_R_ENG] = E_LOAD
+        r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
+        return w.freeze()
+
+    def _count_job(self, w: _World) -> None:
+        if self.bounds.max_jobs:
+            w.created += 1
+            if w.created > self.bounds.max_jobs:
+                raise _Pruned
+
+    # -- the CPU primary (kvfsm.control.cpu) and the tiering manager (kvfsm.control.tiering)
+
+    def _begin_read(self, w: _World, key: int) -> None:
+        code = w.slots[key]
+        if code < READY:
+            raise ModelViolation(
+                "readable_only_after_commit", f"prepare_read of key {key} whose slot is {slot_state(code).value}"
+            )
+        was = self.evictable(code)
+        code = self.slot_event(code, SlotEvent.BEGIN_READ)
+        w.slots[key] = code
+        if was and not self.evictable(code):
+            w.lru.remove(key)
+
+    def _end_read(self, w: _World, key: int) -> None:
+        code = w.slots[key]
+        was = self.evictable(code)
+        code = self.slot_event(code, SlotEvent.END_READ)
+        w.slots[key] = code
+        if not was and self.evictable(code):
+            w.lru.append(key)
+
+    def _poll(self, w: _World) -> None:
+        """TieringManager._poll: apply every finished cascade, in the tier's report order (by keys)."""
+        w.polled = True
+        done = sorted((t for t in w.tier if t[_T_STATUS] != COPYING), key=lambda t: t[_T_KEYS])
+        if not done:
+            return
+        w.tier = [t for t in w.tier if t[_T_STATUS] == COPYING]
+        for t in done:
+            # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
+            for key in t[_T_KEYS]:
+                self._end_read(w, key)
+
+    def _maybe_poll(self, w: _World) -> None:
+        if self.bounds.tiers and not w.polled:
+            self._poll(w)
+
+    def _prepare_store(self, w: _World, keys: Sequence[int]) -> tuple[int, ...] | None:
+        """CPUOffloadingManager.prepare_store: the keys to store, () if none is new, None if they can't fit."""
+        self._maybe_poll(w)
+        new_keys = [k for k in dict.fromkeys(keys) if w.slots[k] == ABSENT]
+        if not new_keys:
+            return ()
+        protected = {k for k in keys if w.slots[k] != ABSENT}
+        held = sum(1 for code in w.slots if code != ABSENT)
+        need = len(new_keys) - (self.S - held)
+        if need > 0:
+            if need > len(w.lru):
+                return None
+            victims = [k for k in w.lru if k not in protected][:need]
+            if len(victims) < need:
+                return None
+            for key in victims:
+                w.lru.remove(key)
+                w.slots[key] = self.slot_event(w.slots[key], SlotEvent.EVICT, "evict_only_ready_unreferenced")
+        for key in new_keys:
+            w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+        return tuple(new_keys)
+
+    def _complete_store(self, w: _World, keys: Sequence[int], success: bool) -> None:
+        """TieringManager/CPUOffloadingManager.complete_store: commit or roll back the writing keys."""
+        writing = [k for k in dict.fromkeys(keys) if w.slots[k] == WRITING]
+        if not writing:
+            return
+        for key in writing:
+            if success:
+                code = self.slot_event(WRITING, SlotEvent.COMMIT_WRITE)
+                w.slots[key] = code
+                if self.evictable(code):
+                    w.lru.append(key)
+            else:
+                w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+        if success and self.bounds.tiers:
+            cascade = tuple(writing)
+            for key in cascade:
+                self._begin_read(w, key)
+            w.tier.append([cascade, COPYING])
+
+    def _complete_load(self, w: _World, keys: Sequence[int]) -> None:
+        for key in keys:
+            if w.slots[key] < 1:
+                raise ModelViolation(
+                    "evict_only_ready_unreferenced",
+                    f"complete_load of key {key} whose slot is {slot_state(w.slots[key]).value}, not reading",
+                )
+        for key in keys:
+            self._end_read(w, key)
+
+    # -- the engine step
+
+    def _fire_req(self, w: _World, i: int, event: RequestEvent) -> str | None:
+        r = w.reqs[i]
+        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        r[_R_PHASE], effect = self.req_event(r[_R_PHASE], event, has_jobs)
+        return effect
+
+    def _step(self, s: State, preempt: int) -> State:
+        w = _World(s)
+        W = self.W
+        reqs = w.reqs
+        if preempt >= 0:
+            r = reqs[preempt]
+            r[_R_GROUP] = -1
+            r[_R_ENG] = E_WAIT
+            r[_R_COMPUTED] = 0
+            r[_R_POS] = -1
+            w.preemptions += 1
+        running = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN), key=lambda i: reqs[i][_R_POS])
+        scheduled = [(i, self.total_tokens - reqs[i][_R_COMPUTED]) for i in running]
+        allocated = {r[_R_GROUP] for r in reqs if r[_R_ALLOC]}
+        new_jobs_from = len(w.jobs)
+
+        # build_connector_meta
+        if self.bounds.tiers:  # manager.on_schedule_end: poll, then reopen the gate
+            self._poll(w)
+            w.polled = False
+        flush: set[int] = set()
+        if preempt >= 0:
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_REQ] == preempt and job[_J_STATE] in _LIVE)
+            self._fire_req(w, preempt, RequestEvent.PREEMPT)
+        fences = self._fences(w)
+        flush |= self.fenced_jobs(allocated, fences)
+        for i, n in scheduled:
+            if reqs[i][_R_PHASE] is RequestState.RUNNING:
+                self._plan_stores(w, i, reqs[i][_R_COMPUTED] + n, allocated, flush)
+        finished = sorted((i for i, r in enumerate(reqs) if r[_R_FIN] >= 0), key=lambda i: reqs[i][_R_FIN])
+        for i in finished:
+            self._plan_stores(w, i, reqs[i][_R_COMPUTED], allocated, flush)
+        for i in finished:
+            reqs[i][_R_FIN] = -1
+            self._fire_req(w, i, RequestEvent.SIGNAL)
+            if not any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs):
+                self._fire_req(w, i, RequestEvent.DELETE)
+        if w.reset_flush:
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE)
+            w.reset_flush = False
+        for r in reqs:
+            r[_R_ALLOC] = False
+
+        # Workers, before the forward: flush (launch, then wait), then launch this step's loads.
+        loads = [j for j, job in enumerate(w.jobs) if job[_J_KIND] == LOAD and UNLAUNCHED in job[_J_SHARDS]]
+        for rank in range(W):
+            for j in sorted(flush):
+                job = w.jobs[j]
+                if j >= new_jobs_from and job[_J_KIND] == STORE:
+                    self._launch(job, rank)
+            for j in flush:
+                job = w.jobs[j]
+                if job[_J_SHARDS][rank] == COPYING:
+                    job[_J_SHARDS] = _with(job[_J_SHARDS], rank, DONE_OK)
+            for j in loads:
+                self._launch(w.jobs[j], rank)
+        # What this step writes on the GPU: loads into their groups, the forward into computed requests'.
+        # A request's own jobs are no hazard to it: its stores read chunks it already computed, and its
+        # forward writes later blocks.
+        written = {w.jobs[j][_J_GROUP]: w.jobs[j][_J_REQ] for j in loads}
+        for i, n in scheduled:
+            if n > 0:
+                written.setdefault(reqs[i][_R_GROUP], i)
+        for job in w.jobs:
+            if job[_J_GROUP] in written and job[_J_REQ] != written[job[_J_GROUP]]:
+                busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in (UNLAUNCHED, COPYING)]
+                if busy:
+                    what = "reads" if job[_J_KIND] == STORE else "is loading into"
+                    raise ModelViolation(
+                        "gpu_source_not_overwritten",
+                        f"this step writes GPU group {job[_J_GROUP]} while {KIND_NAMES[job[_J_KIND]]} job "
+                        f"(keys {list(job[_J_KEYS])}) still {what} it on worker(s) {busy}",
+                    )
+        for i, n in scheduled:
+            reqs[i][_R_COMPUTED] += n
+        # After the forward: launch every store not launched yet.
+        for job in w.jobs:
+            if job[_J_KIND] == STORE:
+                for rank in range(W):
+                    if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
+                        self._launch(job, rank)
+        # Poll every worker, then update_connector_output with the summed reports.
+        self._report(w)
+        self._finish_loads(w)
+        # The engine settles.
+        unfinished = any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in reqs)
+        if unfinished:
+            if w.engine is not EngineState.RUNNING:
+                w.engine = self.engine_event(w.engine, EngineEvent.ADMIT, False)
+        elif w.engine is EngineState.RUNNING:
+            w.engine = self.engine_event(w.engine, EngineEvent.ALL_FINISHED, False)
+        elif w.engine in (EngineState.FINISHING, EngineState.DRAINING):
+            live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
+            tier = w.tier
+            pending = self.pending_push_work(live, lambda: bool(tier))
+            w.engine = self.engine_event(w.engine, EngineEvent.SETTLE, pending)
+        return self._compact(w)
+
+    def _launch(self, job: list[Any], rank: int) -> None:
+        """OffloadingWorker._launch: terminal jobs and ranks that already launched are skipped."""
+        if job[_J_STATE] in _TERMINAL_SKIP or job[_J_SHARDS][rank] != UNLAUNCHED:
+            return
+        mask = _mask(job[_J_SHARDS])
+        state, effect = self.job_event(job[_J_STATE], job[_J_PENDING], job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
+        job[_J_STATE] = state
+        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect == "start_copy" else REPORTED)
+
+    def _fences(self, w: _World) -> dict[int, set[int]]:
+        """The fence index by GPU group: uncommitted stores of finished requests."""
+        fences: dict[int, set[int]] = {}
+        for j, job in enumerate(w.jobs):
+            if job[_J_KIND] == STORE and job[_J_STATE] in _LIVE and w.reqs[job[_J_REQ]][_R_PHASE] in _FINISHED_PHASES:
+                fences.setdefault(job[_J_GROUP], set()).add(j)
+        return fences
+
+    def _plan_stores(self, w: _World, i: int, horizon: int, allocated: set[int], flush: set[int]) -> None:
+        r = w.reqs[i]
+        storable = min(horizon // TOKENS_PER_BLOCK, self.C)
+        start = r[_R_NEXT]
+        if storable <= start:
+            return
+        keys = self.prompt_keys[r[_R_PROMPT]][start:storable]
+        prepared = self._prepare_store(w, keys)
+        if prepared is None:
+            return  # allocation failure: retried next step
+        r[_R_NEXT] = storable
+        if not prepared:
+            return
+        self._count_job(w)
+        j = len(w.jobs)
+        g = r[_R_GROUP] if r[_R_GROUP] >= 0 else -1
+        if g < 0:
+            raise ModelViolation("gpu_source_not_overwritten", f"request {i} plans a store without GPU blocks")
+        w.jobs.append([STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        if r[_R_PHASE] is RequestState.FINISHED_UNSIGNALLED:
+            fences = self._fences(w)
+            if j in self.fenced_jobs(allocated & {g}, fences):
+                flush.add(j)
+
+    def _report(self, w: _World) -> None:
+        """Every worker polls; the scheduler applies the summed reports (failures first, then acks)."""
+        completed: dict[int, int] = {}
+        failed: dict[int, int] = {}
+        order = sorted(range(len(w.jobs)), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS]))
+        for j in order:
+            job = w.jobs[j]
+            shards = job[_J_SHARDS]
+            ok = shards.count(DONE_OK)
+            bad = shards.count(DONE_FAIL)
+            if ok or bad:
+                job[_J_SHARDS] = tuple(REPORTED if sh in (DONE_OK, DONE_FAIL) else sh for sh in shards)
+                if bad:
+                    failed[j] = bad
+                if ok:
+                    completed[j] = ok
+        # Validate everything first (update_connector_output raises before it changes anything).
+        for j in dict.fromkeys([*failed, *completed]):
+            job = w.jobs[j]
+            if job[_J_IGNORED]:
+                continue
+            keys = list(job[_J_KEYS])
+            if job[_J_STATE] not in _LIVE:
+                if job[_J_STATE] is JobState.STALE:
+                    raise ModelViolation(
+                        "stale_ids_ignored",
+                        f"a worker reported {KIND_NAMES[job[_J_KIND]]} job (keys {keys}) that reset_cache "
+                        "discarded, and its id is not below the stale threshold: the scheduler raises",
+                    )
+                raise ModelViolation(
+                    "complete_exactly_once",
+                    f"a worker reported {KIND_NAMES[job[_J_KIND]]} job (keys {keys}) after it was already "
+                    f"{job[_J_STATE].value}: the scheduler no longer awaits it",
+                )
+            total = failed.get(j, 0) + completed.get(j, 0)
+            if total > job[_J_PENDING]:
+                raise ModelViolation(
+                    "complete_exactly_once", f"job (keys {keys}) got {total} reports with {job[_J_PENDING]} pending"
+                )
+        for j, count in failed.items():
+            job = w.jobs[j]
+            if job[_J_IGNORED]:
+                continue
+            state, effect = self.job_event(
+                job[_J_STATE], job[_J_PENDING], job[_J_FAILED], _mask(job[_J_SHARDS]), JobEvent.FAIL, count
+            )
+            job[_J_STATE] = state
+            job[_J_PENDING] = max(0, job[_J_PENDING] - count)
+            job[_J_FAILED] += count
+            self._job_finished(w, j, effect)
+        for j, count in completed.items():
+            job = w.jobs[j]
+            if job[_J_IGNORED] or job[_J_STATE] not in _LIVE:
+                continue  # ignored, or finished above by a failure report in the same output
+            state, effect = self.job_event(
+                job[_J_STATE], job[_J_PENDING], job[_J_FAILED], _mask(job[_J_SHARDS]), JobEvent.ACK, count
+            )
+            job[_J_STATE] = state
+            job[_J_PENDING] -= count
+            self._job_finished(w, j, effect)
+
+    def _job_finished(self, w: _World, j: int, effect: str | None) -> None:
+        """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
+        if effect is None:
+            return
+        job = w.jobs[j]
+        i = job[_J_REQ]
+        ok = effect == "commit"
+        if job[_J_KIND] == STORE:
+            self._complete_store(w, job[_J_KEYS], ok)
+        else:
+            self._complete_load(w, job[_J_KEYS])
+            if ok:
+                w.reqs[i][_R_COMPUTED] = len(job[_J_KEYS]) * TOKENS_PER_BLOCK
+        job[_J_REQ] = -1
+        r = w.reqs[i]
+        if job[_J_KIND] == LOAD and r[_R_PHASE] is RequestState.LOADING:
+            self._fire_req(w, i, RequestEvent.LOAD_DONE)
+        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not any(
+            x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs
+        ):
+            self._fire_req(w, i, RequestEvent.DELETE)
+
+    def _finish_loads(self, w: _World) -> None:
+        """ReferenceEngine._finish_loads: loads no longer awaited hand their request back to the engine."""
+        reqs = w.reqs
+        loading = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_LOAD), key=lambda i: reqs[i][_R_POS])
+        pos = sum(1 for r in reqs if r[_R_ENG] == E_RUN)
+        for i in loading:
+            r = reqs[i]
+            if any(j[_J_REQ] == i and j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for j in w.jobs):
+                continue
+            if r[_R_PHASE] in _FINISHED_PHASES:  # aborted while loading: its blocks are free only now
+                r[_R_ENG] = E_DONE
+                r[_R_POS] = -1
+            else:
+                r[_R_ENG] = E_RUN
+                r[_R_POS] = pos
+                pos += 1
+
+    def _compact(self, w: _World) -> State:
+        """Drop records nobody needs any more, renumber positions, and freeze."""
+        jobs = w.jobs
+        keep_jobs = [
+            n
+            for n, j in enumerate(jobs)
+            if j[_J_STATE] in _LIVE or any(sh in (COPYING, DONE_OK, DONE_FAIL) for sh in j[_J_SHARDS])
+        ]
+        if len(keep_jobs) != len(jobs):
+            w.jobs = [jobs[n] for n in keep_jobs]
+        reqs = w.reqs
+        keep = [i for i, r in enumerate(reqs) if not (r[_R_PHASE] is RequestState.DELETED and r[_R_ENG] == E_DONE)]
+        self.last_kept = (keep, keep_jobs)
+        if len(keep) != len(reqs):
+            remap = {old: new for new, old in enumerate(keep)}
+            for j in w.jobs:
+                if j[_J_REQ] >= 0:
+                    j[_J_REQ] = remap[j[_J_REQ]]
+            w.reqs = [reqs[i] for i in keep]
+        _renumber(w.reqs, _R_POS, lambda r: r[_R_ENG])
+        _renumber(w.reqs, _R_FIN, lambda r: 0)
+        return w.freeze()
+
+    # -- finish / abort, reset
+
+    def _finish_request(self, s: State, i: int) -> State:
+        w = _World(s)
+        r = w.reqs[i]
+        self._fire_req(w, i, RequestEvent.FINISH)
+        r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
+        if r[_R_ENG] in (E_RUN, E_WAIT):  # the engine frees its blocks; the scheduler still knows them
+            r[_R_ENG] = E_DONE
+            r[_R_POS] = -1
+        return self._compact(w)
+
+    def _reset(self, s: State, _: int) -> State:
+        w = _World(s)
+        w.resets += 1
+        if self.bounds.tiers:  # TieringManager.reset_cache: drain every tier, then poll
+            for t in w.tier:
+                if t[_T_STATUS] == COPYING:
+                    t[_T_STATUS] = DONE_OK
+            self._poll(w)
+        ignored = self.stale_threshold_after_reset(1, 0) > 0
+        for job in w.jobs:
+            if job[_J_STATE] in _LIVE:
+                mask = _mask(job[_J_SHARDS])
+                job[_J_STATE] = self.job_event(
+                    job[_J_STATE], job[_J_PENDING], job[_J_FAILED], mask, JobEvent.DISCARD, 0
+                )[0]
+                job[_J_REQ] = -1
+                job[_J_IGNORED] = ignored
+                w.reset_flush = True
+        for i, r in enumerate(w.reqs):
+            r[_R_NEXT] = 0
+            if r[_R_PHASE] in (
+                RequestState.FINISHED_UNSIGNALLED,
+                RequestState.FINISHED_SIGNALLED,
+                RequestState.LOADING,
+            ):
+                self._fire_req(w, i, RequestEvent.RESET)
+            r[_R_FIN] = -1
+        for key, code in enumerate(w.slots):
+            if code != ABSENT:
+                w.slots[key] = self.slot_event(code, SlotEvent.RESET)
+        w.lru = []
+        if self.bounds.tiers:
+            w.polled = False
+        return self._compact(w)
+
+    # ------------------------------------------------------------------ invariants
+
+    def invariants(self, s: State) -> list[tuple[str, str]]:
+        """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
+        out: list[tuple[str, str]] = []
+        live = [j for j in s.jobs if j.state in _LIVE]
+        tier = s.tier
+        ground_truth = bool(live or tier)
+        if ground_truth and not self.pending_push_work(live, lambda: bool(tier)):
+            what = f"{len(live)} awaited job(s)" if live else f"{len(tier)} tier transfer(s)"
+            out.append(("pending_work_covers_jobs", f"{what} in flight but has_pending_push_work() is False"))
+        if s.engine is EngineState.IDLE and ground_truth:
+            out.append(("idle_only_when_nothing_pending", "the engine is idle while transfers are pending"))
+        stale_busy = False
+        fresh_busy = False
+        for job in s.jobs:
+            busy = any(sh in (UNLAUNCHED, COPYING) for sh in job.shards)
+            copying = COPYING in job.shards
+            if job.state is JobState.STALE:
+                stale_busy = stale_busy or copying
+            else:
+                fresh_busy = fresh_busy or copying
+            if job.kind == STORE:
+                for key in job.keys:
+                    if busy and s.slots[key] >= READY:
+                        out.append(
+                            (
+                                "readable_only_after_commit",
+                                f"key {key} is {slot_state(s.slots[key]).value} while a store still writes it",
+                            )
+                        )
+                    elif job.state in _LIVE and s.slots[key] != WRITING:
+                        out.append(
+                            (
+                                "readable_only_after_commit",
+                                f"key {key} of an uncommitted store is {slot_state(s.slots[key]).value}",
+                            )
+                        )
+            elif job.state is not JobState.STALE and busy:
+                for key in job.keys:
+                    if s.slots[key] < 1:
+                        out.append(
+                            (
+                                "evict_only_ready_unreferenced",
+                                f"key {key} is {slot_state(s.slots[key]).value} while a load still reads it",
+                            )
+                        )
+        for rec in tier:
+            if rec.status == COPYING:
+                for key in rec.keys:
+                    if s.slots[key] < 1:
+                        out.append(
+                            (
+                                "evict_only_ready_unreferenced",
+                                f"key {key} is {slot_state(s.slots[key]).value} while a cascade reads it",
+                            )
+                        )
+        if stale_busy and fresh_busy:
+            out.append(
+                (
+                    "stale_ids_ignored",
+                    "a transfer discarded by reset_cache is still copying while a post-reset one runs "
+                    "(the reset's flush did not happen first)",
+                )
+            )
+        for i in range(len(s.reqs)):
+            mine = [j for j in live if j.req == i]
+            loads = sum(1 for j in mine if j.kind == LOAD)
+            if loads > 1 or (loads and len(mine) > loads):
+                out.append(("one_load_per_request", f"request {i} has {loads} load(s) among {len(mine)} jobs"))
+        seen: set[int] = set()
+        for job in live:
+            if job.kind == LOAD:
+                if seen.intersection(job.keys):
+                    out.append(("single_loader_per_chunk", f"keys {sorted(seen.intersection(job.keys))} loaded twice"))
+                seen.update(job.keys)
+            if not 1 <= job.pending <= self.W:
+                out.append(("complete_exactly_once", f"an awaited job has pending={job.pending}"))
+        return out
+
+    # ------------------------------------------------------------------ symmetry
+
+    def canonical(self, s: State) -> State:
+        return self.canonical_with_maps(s).state
+
+    def canonical_with_maps(self, s: State) -> Canonical:
+        """The representative of ``s``, and how its indices map back to those of ``s``.
+
+        Requests are ordered by their content (ties keep their order), GPU groups renumbered by first
+        appearance, worker ranks ordered by their columns of shard states (workers are interchangeable:
+        every rank runs the same protocol and reports are summed), jobs and tier transfers sorted.
+        """
+        reqs = s.reqs
+        nr = len(reqs)
+        rorder = sorted(range(nr), key=lambda i: _req_sort_key(reqs[i])) if nr > 1 else list(range(nr))
+        rmap = {old: new for new, old in enumerate(rorder)}
+        rmap[-1] = -1
+        gmap: dict[int, int] = {}
+        for old in rorder:
+            g = reqs[old].group
+            if g >= 0 and g not in gmap:
+                gmap[g] = len(gmap)
+        jobs = s.jobs
+        W = self.W
+        wperm = list(range(W))
+        if W > 1 and jobs:
+            # Order the jobs without looking at which rank holds which shard, then the ranks by their
+            # column of shards in that order.
+            pre = sorted(
+                range(len(jobs)),
+                key=lambda j: (
+                    jobs[j][:2],
+                    rmap[jobs[j].req],
+                    gmap.get(jobs[j].group, _FREE_GROUP),
+                    jobs[j][4:7],
+                    sorted(jobs[j].shards),
+                    jobs[j].ignored,
+                ),
+            )
+            cols = [tuple(jobs[j].shards[w] for j in pre) for w in range(W)]
+            wperm = sorted(range(W), key=cols.__getitem__)
+        swap = wperm != list(range(W))
+        keyed = []
+        for n, job in enumerate(jobs):
+            shards = tuple(job.shards[w] for w in wperm) if swap else job.shards
+            keyed.append(
+                (
+                    job.kind,
+                    job.keys,
+                    rmap[job.req],
+                    gmap.get(job.group, _FREE_GROUP),
+                    job.state,
+                    job.pending,
+                    job.failed_reports,
+                    shards,
+                    job.ignored,
+                    n,
+                )
+            )
+        keyed.sort()
+        jorder = [k[-1] for k in keyed]
+        for k in keyed:
+            g = jobs[k[-1]].group
+            if g not in gmap:
+                gmap[g] = len(gmap)
+        new_reqs = []
+        for i in rorder:
+            r = reqs[i]
+            g = r.group
+            new_reqs.append(r if g < 0 or gmap[g] == g else _new(Req, (*r[:_R_GROUP], gmap[g], *r[_R_GROUP + 1 :])))
+        new_jobs = []
+        for k in keyed:
+            job = jobs[k[-1]]
+            g = gmap[job.group]
+            if k[2] == job.req and g == job.group and k[7] is job.shards:
+                new_jobs.append(job)
+            else:
+                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size)))
+        tier = s.tier
+        torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
+        state = _new(
+            State,
+            (s.engine, tuple(new_reqs), tuple(new_jobs), s.slots, s.lru, tuple(tier[c] for c in torder), *s[6:]),
+        )
+        return Canonical(state, rorder, jorder, gmap, torder, wperm)
+
+
+class Canonical(NamedTuple):
+    """A canonical state and, for each of its positions, the index it had in the original state."""
+
+    state: State
+    reqs: list[int]  #: new request position -> old index
+    jobs: list[int]  #: new job position -> old index
+    groups: dict[int, int]  #: old group -> new group
+    tier: list[int]  #: new tier position -> old index
+    workers: list[int]  #: new rank -> old rank
+
+
+_FREE_GROUP = 1 << 20
+_new = tuple.__new__
+
+
+_TERMINAL_SKIP = (
+    JobState.COMPLETE,
+    JobState.FAILED,
+    JobState.CANCELLED,
+    JobState.STALE,
+    JobState.TIMED_OUT,
+)
+
+
+def _req_sort_key(r: Req) -> tuple[Any, ...]:
+    return (r.phase, r.eng, r.prompt, r.computed, r.next_chunk, r.group >= 0, r.pos, r.fin_pos, r.alloc)
+
+
+def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
+    return (*shards[:rank], value, *shards[rank + 1 :])
+
+
+def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], int]) -> None:
+    """Compact a position field to 0..n-1 per class, keeping the order."""
+    if len(reqs) < 2:
+        for r in reqs:
+            if r[field] > 0:
+                r[field] = 0
+        return
+    groups: dict[int, list[list[Any]]] = {}
+    for r in reqs:
+        if r[field] >= 0:
+            groups.setdefault(klass(r), []).append(r)
+    for members in groups.values():
+        members.sort(key=lambda r: r[field])
+        for n, r in enumerate(members):
+            r[field] = n

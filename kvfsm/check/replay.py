@@ -1,0 +1,974 @@
+"""Model-based tests: the model checker's graph replayed on the real implementation.
+
+:class:`Harness` is the system under test: the real :class:`~kvfsm.control.scheduler.OffloadingScheduler`
+and :class:`~kvfsm.control.cpu.CPUOffloadingManager` (behind a real
+:class:`~kvfsm.control.tiering.TieringManager` when the bounds have a tier), ``W`` :class:`LoopbackWorker`
+ranks that follow the real worker's launch protocol without copying anything, a :class:`LoopbackTier`,
+and a small engine loop that fires the real engine machine exactly as the reference engine does. No torch.
+
+Every event label of :mod:`kvfsm.check.model` is an operation of the harness (:meth:`Harness.apply`), and
+:func:`abstract` reads the harness back into a model :class:`~kvfsm.check.model.State` (through public
+accessors, plus a few private fields a white-box harness may read). Then:
+
+* :func:`replay_edges` walks the explored graph depth-first along its BFS tree, keeps a copy of the
+  harness per tree level, and for **every edge** applies the event to a copy of the source's harness and
+  compares ``abstract(harness)`` with the model's target state;
+* :func:`probe_state` applies, in one reachable state, every event the spec *disables* there, through the
+  implementation's own entry points: each must raise a typed :class:`~kvfsm.errors.KvfsmError` and leave
+  the abstract state (and the scheduler's counters) exactly as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfsm.check.bfs import ExplorationResult, describe_label, describe_state
+from kvfsm.check.model import (
+    ABSENT,
+    COPYING,
+    DONE_FAIL,
+    DONE_OK,
+    E_DONE,
+    E_LOAD,
+    E_RUN,
+    E_WAIT,
+    LOAD,
+    REPORTED,
+    STORE,
+    TOKENS_PER_BLOCK,
+    UNLAUNCHED,
+    WRITING,
+    Bounds,
+    JobRec,
+    Label,
+    Model,
+    Req,
+    State,
+    TierRec,
+)
+from kvfsm.control.config import OffloadConfig
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.job import Job
+from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
+from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
+from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvfsm.control.tiering import TieringManager
+from kvfsm.control.types import (
+    GPUBlockSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    SlotSpec,
+    make_offload_key,
+)
+from kvfsm.engine.requests import chain_block_hashes
+from kvfsm.errors import KvfsmError
+from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
+from kvfsm.states import (
+    JOB_TERMINAL,
+    EngineEvent,
+    EngineState,
+    JobEvent,
+    JobKind,
+    JobState,
+    RequestEvent,
+    RequestState,
+)
+
+__all__ = [
+    "Harness",
+    "LoopbackTier",
+    "LoopbackWorker",
+    "Mismatch",
+    "ReplayReport",
+    "abstract",
+    "probe_state",
+    "replay_edges",
+    "replay_path",
+]
+
+_CTX = ReqContext("probe")
+
+
+# --------------------------------------------------------------------------------------------- the parts
+
+
+class ModelRequest:
+    """A request of one of the model's prompts (the OffloadRequest protocol)."""
+
+    __slots__ = ("block_hashes", "is_aborted", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "req_id")
+
+    def __init__(self, req_id: str, token_ids: list[int]) -> None:
+        self.req_id = req_id
+        self.block_hashes = chain_block_hashes(token_ids, TOKENS_PER_BLOCK)
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.is_aborted = False
+
+
+class LoopbackWorker:
+    """One worker rank without torch: the launch protocol of :class:`kvfsm.data.worker.OffloadingWorker`
+    (flush, wait, then loads before the forward; stores after it), but a copy finishes only when
+    :meth:`finish_copy` says so, and a blocking wait finishes the copies it waits for (successfully)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.unlaunched_stores: dict[int, Job] = {}
+        self.launched: dict[int, Job] = {}  #: launched, outcome not polled yet
+        self.finished: dict[int, bool] = {}  #: copies that finished (ok?) and await the next poll
+
+    def _here(self, job: Job) -> bool:
+        return bool((job.launched_mask >> self.rank) & 1)
+
+    def _launch(self, job: Job) -> None:
+        self.unlaunched_stores.pop(job.job_id, None)
+        if job.is_terminal or self._here(job):
+            return
+        if job.launch(self.rank):
+            self.launched[job.job_id] = job
+
+    def before_forward(self, meta: ConnectorMetadata) -> None:
+        pending = dict(self.unlaunched_stores)
+        pending.update((j.job_id, j) for j in meta.store_jobs.values() if not self._here(j))
+        self.unlaunched_stores = pending
+        for jid, job in list(pending.items()):
+            if jid in meta.jobs_to_flush:
+                self._launch(job)
+        for jid in meta.jobs_to_flush:
+            if jid in self.launched and jid not in self.finished:
+                self.finished[jid] = True  # the blocking wait: the copy completes
+        for job in meta.load_jobs.values():
+            if not self._here(job):
+                self._launch(job)
+
+    def after_forward(self, meta: ConnectorMetadata) -> None:
+        pending = dict(self.unlaunched_stores)
+        pending.update((j.job_id, j) for j in meta.store_jobs.values() if not self._here(j))
+        self.unlaunched_stores = pending
+        for job in list(pending.values()):
+            self._launch(job)
+
+    def finish_copy(self, job_id: int, ok: bool) -> None:
+        if job_id not in self.launched or job_id in self.finished:
+            raise KvfsmError(f"worker {self.rank} has no copy of job {job_id} in flight")
+        self.finished[job_id] = ok
+
+    def poll(self) -> list[tuple[Job, bool]]:
+        out = [(self.launched.pop(jid), ok) for jid, ok in self.finished.items()]
+        self.finished = {}
+        return out
+
+    def shard(self, job: Job) -> int:
+        if job.job_id in self.finished:
+            return DONE_OK if self.finished[job.job_id] else DONE_FAIL
+        if job.job_id in self.launched:
+            return COPYING
+        return REPORTED if self._here(job) else UNLAUNCHED
+
+
+class LoopbackTier(SecondaryTier):
+    """A write-through secondary tier that never hits (so nothing is promoted) and finishes a cascade only
+    when told; it reports finished cascades in key order, as the model applies them."""
+
+    name = "loopback"
+
+    def __init__(self, key_ids: Mapping[OffloadKey, int]) -> None:
+        self.key_ids = key_ids
+        self.copying: dict[int, TierJob] = {}
+        self.done: dict[int, tuple[TierJob, bool]] = {}
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        return LookupResult.MISS
+
+    def submit_store(self, job: TierJob) -> None:
+        self.copying[job.job_id] = job
+
+    def submit_load(self, job: TierJob) -> None:
+        raise KvfsmError("the loopback tier never hits, so it never promotes")
+
+    def finish(self, job_id: int, ok: bool) -> None:
+        self.done[job_id] = (self.copying.pop(job_id), ok)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        order = sorted(self.done.values(), key=lambda d: self.keys(d[0]))
+        self.done = {}
+        return [JobResult(job.job_id, ok) for job, ok in order]
+
+    def drain_jobs(self) -> None:
+        for job_id in list(self.copying):
+            self.finish(job_id, True)
+
+    def keys(self, job: TierJob) -> tuple[int, ...]:
+        return tuple(self.key_ids[k] for k in job.keys)
+
+
+class _Engine:
+    """The engine machine's model: the reference engine's state and its pending-work signal."""
+
+    __slots__ = ("sched", "state")
+
+    def __init__(self, sched: OffloadingScheduler) -> None:
+        self.sched = sched
+        self.state = EngineState.IDLE
+
+    def has_pending_push_work(self) -> bool:
+        return self.sched.has_pending_push_work()
+
+
+@dataclass(slots=True)
+class _HReq:
+    request: ModelRequest
+    prompt: int
+    eng: int = E_WAIT
+    group: int = -1  #: group the engine holds (loading or running)
+    external: int = 0
+
+
+# --------------------------------------------------------------------------------------------- the harness
+
+
+class Harness:
+    """The real control plane at the model's bounds, driven by the model's event labels."""
+
+    def __init__(self, bounds: Bounds, *, checked: bool | None = None) -> None:
+        self.bounds = b = bounds
+        self.blocks_per_group = b.chunks + 1
+        self.tokens = [self._prompt_tokens(p) for p in range(b.prompts)]
+        self.key_ids: dict[OffloadKey, int] = {}
+        for p, toks in enumerate(self.tokens):
+            hashes = chain_block_hashes(toks, TOKENS_PER_BLOCK)
+            for c in range(b.chunks):
+                self.key_ids[make_offload_key(hashes[c])] = b.key(p, c)
+        self.keys_by_id = {k: key for key, k in self.key_ids.items()}
+        self.primary = CPUOffloadingManager(b.slots, checked=checked)
+        self.tier = LoopbackTier(self.key_ids) if b.tiers else None
+        self.manager: OffloadingManager = (
+            TieringManager(self.primary, [self.tier], checked=checked) if self.tier is not None else self.primary
+        )
+        self.config = OffloadConfig(TOKENS_PER_BLOCK, 1, b.workers)
+        self.sched = OffloadingScheduler(self.config, self.manager, checked=checked)
+        self.workers = [LoopbackWorker(r, b.workers) for r in range(b.workers)]
+        self.engine = _Engine(self.sched)
+        self.engine_machine = engine_machine()
+        self.requests: dict[str, _HReq] = {}
+        self.running: list[str] = []
+        self.loading: dict[str, int] = {}
+        self.finished_order: list[str] = []
+        self.batch: list[str] = []
+        self.arrivals = 0
+        self.resets = 0
+        self.preemptions = 0
+
+    def _prompt_tokens(self, prompt: int) -> list[int]:
+        toks = [1, 2]
+        for c in range(1, self.bounds.chunks):
+            toks += [100 + 20 * prompt + 2 * c, 101 + 20 * prompt + 2 * c]
+        return [*toks, 7]
+
+    def blocks(self, group: int) -> list[int]:
+        n = self.blocks_per_group
+        return list(range(group * n, (group + 1) * n))
+
+    def group_of(self, block_ids: Sequence[int]) -> int:
+        return block_ids[0] // self.blocks_per_group if block_ids else -1
+
+    def known_jobs(self) -> dict[int, Job]:
+        """Every job the scheduler awaits or some worker still holds, by id."""
+        jobs = self.sched.jobs()
+        for w in self.workers:
+            for table in (w.launched, w.unlaunched_stores):
+                for jid, job in table.items():
+                    jobs.setdefault(jid, job)
+        return jobs
+
+    def scheduler_group(self, rid: str) -> int:
+        st = self.sched._requests.get(rid)  # white-box: the blocks the scheduler knows
+        if st is not None:
+            return self.group_of(st.block_ids)
+        h = self.requests[rid]
+        return h.group if h.eng in (E_LOAD, E_RUN) else -1
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, label: Label, refs: Refs) -> None:
+        """Apply a model event; indices in ``label`` are resolved through ``refs`` (see :func:`abstract`)."""
+        kind = label[0]
+        if kind == "copy":
+            self.workers[refs.workers[label[2]]].finish_copy(refs.jobs[label[1]], label[3])
+        elif kind == "tier":
+            assert self.tier is not None
+            self.tier.finish(refs.tier[label[1]], label[2])
+        elif kind == "arrive":
+            self.arrive(label[1])
+        elif kind == "lookup":
+            g = label[2]
+            self.lookup(refs.reqs[label[1]], refs.groups[g] if g >= 0 else -1)
+        elif kind == "step":
+            self.step()
+        elif kind == "preempt":
+            self.step(preempt=refs.reqs[label[1]])
+        elif kind == "finish":
+            self.finish(refs.reqs[label[1]])
+        elif kind == "reset":
+            self.reset()
+        else:  # pragma: no cover - the model has no other event
+            raise KvfsmError(f"unknown model event {label!r}")
+
+    def _fire_engine(self, event: EngineEvent) -> None:
+        self.engine_machine.fire(self.engine, event)
+
+    def arrive(self, prompt: int) -> str:
+        rid = f"r{self.arrivals}"
+        self.arrivals += 1
+        req = ModelRequest(rid, self.tokens[prompt])
+        self.requests[rid] = _HReq(req, prompt)
+        self.sched.on_new_request(req)
+        self._fire_engine(EngineEvent.ADMIT)
+        return rid
+
+    def free_groups(self) -> tuple[list[int], list[int]]:
+        """Free GPU groups: (clean ones, those still referenced by a job or a request's scheduler state)."""
+        held = {h.group for h in self.requests.values() if h.eng in (E_LOAD, E_RUN)}
+        referenced = {self.scheduler_group(rid) for rid in self.requests} | {
+            self.group_of(j.gpu.block_ids) for j in self.known_jobs().values()
+        }
+        free = [g for g in range(self.bounds.groups) if g not in held]
+        return [g for g in free if g not in referenced], [g for g in free if g in referenced]
+
+    def lookup(self, rid: str, group: int = -1) -> bool:
+        """The engine tries to admit waiting request ``rid`` (into ``group``, or any clean free group)."""
+        h = self.requests[rid]
+        req = h.request
+        external, _ = self.sched.get_num_new_matched_tokens(req, 0)
+        if external is None:
+            return False
+        if group < 0:
+            clean, _dirty = self.free_groups()
+            group = clean[0]
+        h.group = group
+        h.external = external
+        self.sched.update_state_after_alloc(req, self.blocks(group), external)
+        self.batch.append(rid)
+        if external:
+            h.eng = E_LOAD
+            (job_id,) = self.sched.request_jobs(rid)
+            self.loading[rid] = job_id
+        else:
+            h.eng = E_RUN
+            self.running.append(rid)
+        return True
+
+    def step(self, preempt: str | None = None) -> None:
+        preempted: frozenset[str] = frozenset()
+        if preempt is not None:
+            h = self.requests[preempt]
+            h.eng, h.group = E_WAIT, -1
+            h.request.num_computed_tokens = 0
+            self.running.remove(preempt)
+            preempted = frozenset({preempt})
+            self.preemptions += 1
+        scheduled = []
+        allocated: set[int] = set()
+        for rid in self.batch:
+            allocated.update(self.blocks(self.requests[rid].group))
+        for rid in self.running:
+            h = self.requests[rid]
+            n = h.request.num_tokens - h.request.num_computed_tokens
+            admitted = rid in self.batch
+            new = tuple(self.blocks(h.group)) if admitted else ()
+            scheduled.append(ScheduledRequest(rid, new, n, admitted=admitted))
+        meta = self.sched.build_connector_meta(SchedulerOutput(tuple(scheduled), preempted, frozenset(allocated)))
+        self.batch = []
+        self.finished_order = []
+        for w in self.workers:
+            w.before_forward(meta)
+        for s in scheduled:
+            self.requests[s.req_id].request.num_computed_tokens += s.num_scheduled_tokens
+        for w in self.workers:
+            w.after_forward(meta)
+        self.sched.update_connector_output(self.poll())
+        self._finish_loads()
+        self._settle()
+        self._forget()
+
+    def poll(self) -> WorkerOutput:
+        """Every worker's poll, summed, in the order the model applies reports (kind, then keys)."""
+        ok: dict[int, int] = {}
+        bad: dict[int, int] = {}
+        jobs: dict[int, Job] = {}
+        for w in self.workers:
+            for job, success in w.poll():
+                jobs[job.job_id] = job
+                table = ok if success else bad
+                table[job.job_id] = table.get(job.job_id, 0) + 1
+
+        def order(jid: int) -> tuple[int, tuple[int, ...]]:
+            job = jobs[jid]
+            return (STORE if job.kind is JobKind.STORE else LOAD, tuple(self.key_ids[k] for k in job.keys))
+
+        out = WorkerOutput()
+        for jid in sorted(jobs, key=order):
+            if jid in bad:
+                out.failed[jid] = bad[jid]
+            if jid in ok:
+                out.completed[jid] = ok[jid]
+        return out
+
+    def _finish_loads(self) -> None:
+        errors = self.sched.take_load_errors()
+        for rid, job_id in list(self.loading.items()):
+            if self.sched.job(job_id) is not None:
+                continue
+            del self.loading[rid]
+            h = self.requests[rid]
+            if self.sched.request_state(rid) in (
+                RequestState.FINISHED_UNSIGNALLED,
+                RequestState.FINISHED_SIGNALLED,
+                RequestState.DELETED,
+            ):
+                h.eng, h.group = E_DONE, -1
+                continue
+            if rid not in errors:
+                h.request.num_computed_tokens += h.external
+            h.eng = E_RUN
+            self.running.append(rid)
+
+    def _settle(self) -> None:
+        unfinished = any(h.eng in (E_WAIT, E_LOAD, E_RUN) for h in self.requests.values())
+        state = self.engine.state
+        if unfinished:
+            if state is not EngineState.RUNNING:
+                self._fire_engine(EngineEvent.ADMIT)
+        elif state is EngineState.RUNNING:
+            self._fire_engine(EngineEvent.ALL_FINISHED)
+        elif state in (EngineState.FINISHING, EngineState.DRAINING):
+            self._fire_engine(EngineEvent.SETTLE)
+
+    def _forget(self) -> None:
+        for rid in [r for r, h in self.requests.items() if h.eng == E_DONE and not self.sched.is_tracked(r)]:
+            del self.requests[rid]
+
+    def finish(self, rid: str) -> None:
+        h = self.requests[rid]
+        req = h.request
+        req.is_aborted = not (h.eng == E_RUN and req.num_computed_tokens == req.num_tokens)
+        self.sched.request_finished(req)
+        self.finished_order.append(rid)
+        if h.eng in (E_RUN, E_WAIT):
+            if rid in self.running:
+                self.running.remove(rid)
+            h.eng, h.group = E_DONE, -1
+        self._forget()
+
+    def reset(self) -> None:
+        self.sched.reset_cache()
+        self.resets += 1
+        self.finished_order = []
+        self._forget()
+
+
+# --------------------------------------------------------------------------------------------- abstraction
+
+
+@dataclass(slots=True)
+class Refs:
+    """What each index of a canonical model state stands for in the harness."""
+
+    reqs: list[str] = field(default_factory=list)
+    jobs: list[int] = field(default_factory=list)
+    tier: list[int] = field(default_factory=list)
+    groups: dict[int, int] = field(default_factory=dict)  #: canonical group -> harness group
+    workers: list[int] = field(default_factory=list)  #: canonical rank -> harness rank
+
+
+def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
+    """The harness as a canonical model state, with what its indices stand for."""
+    sched = h.sched
+    W = h.bounds.workers
+    rids = [rid for rid, r in h.requests.items() if not (r.eng == E_DONE and not sched.is_tracked(rid))]
+    index = {rid: i for i, rid in enumerate(rids)}
+    reqs = []
+    for rid in rids:
+        r = h.requests[rid]
+        st = sched._requests.get(rid)
+        phase = sched.request_state(rid)
+        if r.eng == E_RUN:
+            pos = h.running.index(rid)
+        elif r.eng == E_LOAD:
+            pos = list(h.loading).index(rid)
+        else:
+            pos = -1
+        fin = h.finished_order.index(rid) if phase is RequestState.FINISHED_UNSIGNALLED else -1
+        reqs.append(
+            Req(
+                phase,
+                r.eng,
+                r.prompt,
+                r.request.num_computed_tokens,
+                st.next_stored_chunk if st is not None else 0,
+                h.scheduler_group(rid),
+                pos,
+                fin,
+                rid in h.batch,
+            )
+        )
+    live = sched.jobs()
+    jobs = []
+    job_ids = []
+    threshold = sched.stale_threshold
+    for jid, job in sorted(h.known_jobs().items()):
+        shards = tuple((w.shard(job) if jid not in sched._batch.loads else UNLAUNCHED) for w in h.workers)
+        in_sched = jid in live
+        if not in_sched and not any(sh in (COPYING, DONE_OK, DONE_FAIL) for sh in shards):
+            continue
+        jobs.append(
+            JobRec(
+                STORE if job.kind is JobKind.STORE else LOAD,
+                tuple(h.key_ids[k] for k in job.keys),
+                index[job.req_id] if in_sched else -1,
+                h.group_of(job.gpu.block_ids),
+                job.state,
+                job.pending,
+                job.failed_reports,
+                shards,
+                job.state is JobState.STALE and jid < threshold,
+                W,
+            )
+        )
+        job_ids.append(jid)
+    slots = []
+    for k in range(h.bounds.num_keys):
+        key = h.keys_by_id[k]
+        ref = h.primary.ref_cnt(key)
+        slots.append(ABSENT if ref is None else ref)
+    policy = h.primary.policy
+    order = policy.keys()  # CachePolicy.keys(): held keys, least recent first
+    lru = tuple(h.key_ids[k] for k in order if policy.is_evictable(k))
+    tier_recs = []
+    tier_ids = []
+    if h.tier is not None:
+        for jid, tjob in h.tier.copying.items():
+            tier_recs.append(TierRec(h.tier.keys(tjob), COPYING))
+            tier_ids.append(jid)
+        for jid, (tjob, ok) in h.tier.done.items():
+            tier_recs.append(TierRec(h.tier.keys(tjob), DONE_OK if ok else DONE_FAIL))
+            tier_ids.append(jid)
+    polled = bool(getattr(h.manager, "_polled", False)) if h.tier is not None else False
+    state = State(
+        h.engine.state,
+        tuple(reqs),
+        tuple(jobs),
+        tuple(slots),
+        lru,
+        tuple(tier_recs),
+        polled,
+        bool(sched._reset_flush),
+        h.arrivals,
+        h.resets,
+        h.preemptions,
+        sched.job_counter if h.bounds.max_jobs else 0,
+    )
+    maps = model.canonical_with_maps(state)
+    refs = Refs(
+        [rids[i] for i in maps.reqs],
+        [job_ids[j] for j in maps.jobs],
+        [tier_ids[c] for c in maps.tier],
+        {new: old for old, new in maps.groups.items()},
+        list(maps.workers),
+    )
+    return maps.state, refs
+
+
+# --------------------------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The implementation disagreed with the model (or raised where the model moved on)."""
+
+    what: str
+    path: tuple[Label, ...]
+    expected: State | None
+    actual: State | None
+
+    def __str__(self) -> str:
+        lines = [self.what, f"after {len(self.path)} events: {list(self.path)}"]
+        if self.expected is not None:
+            lines.append(f"  model:          {describe_state(self.expected)}")
+        if self.actual is not None:
+            lines.append(f"  implementation: {describe_state(self.actual)}")
+        return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    states: int = 0
+    edges_replayed: int = 0
+    probes: int = 0
+    seconds: float = 0.0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    probe_failures: list[str] = field(default_factory=list)
+
+
+def _shared_memo(h: Harness) -> dict[int, Any]:
+    """deepcopy memo that keeps the (immutable, shared) spec machines and key tables shared."""
+    memo: dict[int, Any] = {}
+    for machine in (
+        engine_machine(),
+        *(f(c) for f in (job_machine, slot_machine, request_machine) for c in (None, True, False)),
+        job_machine(),
+        slot_machine(),
+        request_machine(),
+        h.engine_machine,
+        h.key_ids,
+        h.keys_by_id,
+        h.config,
+        h.bounds,
+    ):
+        memo[id(machine)] = machine
+    for job in h.known_jobs().values():
+        memo[id(job.machine)] = job.machine
+    return memo
+
+
+#: Immutable records (frozen dataclasses of immutable fields): a clone may share them.
+_ATOMIC: tuple[type, ...] = (
+    GPUBlockSpec,
+    SlotSpec,
+    ReqContext,
+    PrepareStoreOutput,
+    OffloadingEvent,
+    TierJob,
+    JobResult,
+    OffloadConfig,
+    ScheduledRequest,
+    SchedulerOutput,
+    Bounds,
+)
+
+
+def _clone(h: Harness) -> Harness:
+    """An independent copy of the harness (spec machines and immutable records shared)."""
+    dispatch: dict[type, Any] = copy._deepcopy_dispatch  # type: ignore[attr-defined]
+    added = [t for t in _ATOMIC if t not in dispatch]
+    for t in added:
+        dispatch[t] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+    try:
+        return copy.deepcopy(h, _shared_memo(h))
+    finally:
+        for t in added:
+            del dispatch[t]
+
+
+def replay_path(bounds: Bounds, model: Model, path: Sequence[Label], states: Sequence[State]) -> Harness:
+    """A fresh harness driven along ``path``, checked against ``states`` (the path's canonical states)."""
+    h = Harness(bounds)
+    actual, refs = abstract(h, model)
+    if actual != states[0]:
+        raise AssertionError(str(Mismatch("initial state differs", (), states[0], actual)))
+    for n, label in enumerate(path):
+        h.apply(label, refs)
+        actual, refs = abstract(h, model)
+        if actual != states[n + 1]:
+            raise AssertionError(
+                str(Mismatch(f"after {describe_label(states[n], label)}", tuple(path[: n + 1]), states[n + 1], actual))
+            )
+    return h
+
+
+def replay_edges(
+    result: ExplorationResult,
+    *,
+    probes: bool = True,
+    max_mismatches: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayReport:
+    """Replay every edge of ``result.graph`` on the implementation; optionally probe every state."""
+    graph = result.graph
+    if graph is None:
+        raise KvfsmError("replay_edges needs an exploration with keep_graph=True")
+    model = Model(result.bounds)
+    report = ReplayReport()
+    start = time.perf_counter()
+    n = len(graph.states)
+    out_edges: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for s, lab, d in zip(graph.src, graph.label, graph.dst, strict=True):
+        out_edges[s].append((lab, d))
+    root = Harness(result.bounds)
+    actual, _ = abstract(root, model)
+    if actual != graph.states[0]:
+        report.mismatches.append(Mismatch("initial state differs", (), graph.states[0], actual))
+        return report
+    # Depth-first along the BFS tree: (state id, its harness, the path to it).
+    stack: list[tuple[int, Harness, tuple[Label, ...]]] = [(0, root, ())]
+    while stack:
+        sid, h, path = stack.pop()
+        report.states += 1
+        _, refs = abstract(h, model)
+        if probes:
+            failures, count = probe_state(h, model, graph.states[sid], refs)
+            report.probes += count
+            report.probe_failures.extend(f"{f} (after {list(path)})" for f in failures)
+        for lab, d in out_edges[sid]:
+            label = graph.labels[lab]
+            child = _clone(h)
+            report.edges_replayed += 1
+            try:
+                child.apply(label, refs)
+            except KvfsmError as exc:
+                report.mismatches.append(
+                    Mismatch(
+                        f"{describe_label(graph.states[sid], label)} raised {exc!r}",
+                        (*path, label),
+                        graph.states[d],
+                        None,
+                    )
+                )
+                continue
+            actual, _ = abstract(child, model)
+            if actual != graph.states[d]:
+                report.mismatches.append(
+                    Mismatch(
+                        f"after {describe_label(graph.states[sid], label)}", (*path, label), graph.states[d], actual
+                    )
+                )
+                if len(report.mismatches) >= max_mismatches:
+                    report.seconds = time.perf_counter() - start
+                    return report
+                continue
+            if graph.parent[d] == sid and graph.parent_label[d] == lab:
+                stack.append((d, child, (*path, label)))
+        if progress is not None and report.states % 500 == 0:
+            progress(report.states, report.edges_replayed)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+# --------------------------------------------------------------------------------------------- probes
+
+
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerStats))
+
+
+def _fingerprint(h: Harness, model: Model) -> tuple[Any, ...]:
+    state, _ = abstract(h, model)
+    s = h.sched
+    return (
+        state,
+        tuple(getattr(s.stats, name) for name in _STATS_FIELDS),
+        s.job_counter,
+        s.stale_threshold,
+        tuple(sorted(s.fenced_blocks().items())),
+        s.chunks_being_loaded(),
+        tuple(
+            sorted((jid, j.state, j.pending, j.launched_mask, j.failed_reports) for jid, j in h.known_jobs().items())
+        ),
+    )
+
+
+#: A probe: what it tries, and how to try it on a harness.
+Probe = tuple[str, Callable[[Harness], object]]
+
+
+def probe_state(h: Harness, model: Model, state: State, refs: Refs) -> tuple[list[str], int]:
+    """Apply every event the spec disables in ``state`` to (a copy of) ``h``: each must raise a typed
+    KvfsmError and change nothing. Returns (failures, number of probes)."""
+    failures: list[str] = []
+    probes = disabled_events(h, state, refs)
+    work = _clone(h)
+    _pre_poll(work)
+    before = _fingerprint(work, model)
+    # All probes on one copy, compared once at the end; only if something changed are they run again
+    # one by one, to name the culprit.
+    for what, call in probes:
+        _try_probe(what, call, work, failures)
+    if _fingerprint(work, model) != before:
+        failures.clear()
+        for what, call in probes:
+            work = _clone(h)
+            _pre_poll(work)
+            _try_probe(what, call, work, failures)
+            if _fingerprint(work, model) != before:
+                failures.append(f"{what}: raised but changed the state")
+    return failures, len(probes)
+
+
+def _try_probe(what: str, call: Callable[[Harness], object], work: Harness, failures: list[str]) -> None:
+    try:
+        call(work)
+    except KvfsmError:
+        pass
+    except Exception as exc:  # an untyped error is a failure of its own
+        failures.append(f"{what}: raised untyped {type(exc).__name__}: {exc}")
+    else:
+        failures.append(f"{what}: accepted, but the spec disables it")
+
+
+def _pre_poll(h: Harness) -> None:
+    """Close the tiering manager's poll gate the way a lookup does.
+
+    TieringManager's lookup, prepare_load and prepare_store poll the tiers first, by design (finished
+    transfers are applied before the decision), so a refused prepare_load may still apply that poll. A
+    probe starts from an already polled harness, so that what it compares is the refused event alone.
+    """
+    if h.tier is not None:
+        h.manager.lookup(h.keys_by_id[0], _CTX)
+
+
+class _ReqProbe:
+    __slots__ = ("_jobs", "state")
+
+    def __init__(self, state: RequestState, has_jobs: bool) -> None:
+        self.state = state
+        self._jobs = has_jobs
+
+    def has_jobs(self) -> bool:
+        return self._jobs
+
+
+def _req(x: Harness, rid: str) -> ModelRequest:
+    return x.requests[rid].request
+
+
+# Probe factories: each returns a call that tries one event on a harness.
+
+
+def _p_finish(rid: str) -> Callable[[Harness], object]:
+    return lambda x: x.sched.request_finished(_req(x, rid))
+
+
+def _p_lookup(rid: str) -> Callable[[Harness], object]:
+    return lambda x: x.sched.get_num_new_matched_tokens(_req(x, rid), 0)
+
+
+def _p_alloc(rid: str, external: int) -> Callable[[Harness], object]:
+    return lambda x: x.sched.update_state_after_alloc(_req(x, rid), x.blocks(0), external)
+
+
+def _p_preempt(rid: str) -> Callable[[Harness], object]:
+    return lambda x: x.sched.build_connector_meta(SchedulerOutput(preempted_req_ids=frozenset({rid})))
+
+
+def _p_report(job_id: int | None, count: int, *, ok: bool) -> Callable[[Harness], object]:
+    def call(x: Harness) -> object:
+        jid = x.sched.job_counter if job_id is None else job_id
+        out = WorkerOutput(completed={jid: count}) if ok else WorkerOutput(failed={jid: count})
+        x.sched.update_connector_output(out)
+        return None
+
+    return call
+
+
+def _p_job(job_id: int, event: JobEvent, arg: int = 0) -> Callable[[Harness], object]:
+    def call(x: Harness) -> object:
+        job = x.known_jobs()[job_id]
+        if event is JobEvent.LAUNCH:
+            return job.launch(arg)
+        if event is JobEvent.CANCEL:
+            job.cancel()
+        elif event is JobEvent.DISCARD:
+            job.discard()
+        else:
+            job.ack(1)
+        return None
+
+    return call
+
+
+def _p_slot(key: OffloadKey, what: str) -> Callable[[Harness], object]:
+    def call(x: Harness) -> object:
+        if what == "prepare_load":
+            return x.manager.prepare_load([key], _CTX)
+        if what == "complete_load":
+            x.manager.complete_load([key], _CTX)
+        elif what == "commit_write":
+            x.primary.complete_write([key])
+        elif what == "abort_write":
+            x.primary.complete_write([key], success=False)
+        else:
+            return x.primary.prepare_write([key])
+        return None
+
+    return call
+
+
+def _p_engine(event: EngineEvent) -> Callable[[Harness], object]:
+    return lambda x: x.engine_machine.fire(x.engine, event)
+
+
+def _p_reset() -> Callable[[Harness], object]:
+    return lambda x: x.sched.reset_cache()
+
+
+def disabled_events(h: Harness, state: State, refs: Refs) -> list[Probe]:
+    """Every event the spec disables in ``state``, as a call into the implementation's own entry points."""
+    out: list[Probe] = []
+    sched = h.sched
+    rm = request_machine()
+    batch_open = any(r.alloc for r in state.reqs)
+    # Request machine: finish, lookup (defer), schedule, start_load, preempt.
+    for i, rid in enumerate(refs.reqs):
+        if not sched.is_tracked(rid):
+            continue
+        phase = state.reqs[i].phase
+        probe = _ReqProbe(phase, bool(sched.request_jobs(rid)))
+        where = f"in {phase.value}"
+        if not rm.can_fire(probe, RequestEvent.FINISH):
+            out.append((f"request_finished({rid}) {where}", _p_finish(rid)))
+        if phase not in (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED):
+            out.append((f"get_num_new_matched_tokens({rid}) {where}", _p_lookup(rid)))
+        if not rm.can_fire(probe, RequestEvent.SCHEDULE):
+            out.append((f"update_state_after_alloc({rid}, external=0) {where}", _p_alloc(rid, 0)))
+        if not rm.can_fire(probe, RequestEvent.START_LOAD):
+            n = TOKENS_PER_BLOCK
+            out.append((f"update_state_after_alloc({rid}, external={n}) {where}", _p_alloc(rid, n)))
+        if not rm.can_fire(probe, RequestEvent.PREEMPT) and not batch_open:
+            out.append((f"build_connector_meta(preempted={rid}) {where}", _p_preempt(rid)))
+    # Job machine: reports the scheduler must refuse, and events the job machine disables.
+    for jid, job in sched.jobs().items():
+        n = job.pending + 1
+        out.append((f"ack job {jid} x{n} with {job.pending} pending", _p_report(jid, n, ok=True)))
+        out.append((f"fail job {jid} x0", _p_report(jid, 0, ok=False)))
+    out.append((f"ack never-issued job {sched.job_counter}", _p_report(None, 1, ok=True)))
+    jm = job_machine()
+    for jid, job in h.known_jobs().items():
+        what = f"job {jid} ({job.state.value})"
+        for rank in range(h.bounds.workers):
+            if not jm.can_fire(job, JobEvent.LAUNCH, rank):
+                out.append((f"launch {what} on rank {rank} again", _p_job(jid, JobEvent.LAUNCH, rank)))
+        if not jm.can_fire(job, JobEvent.CANCEL):
+            out.append((f"cancel {what}", _p_job(jid, JobEvent.CANCEL)))
+        if not jm.can_fire(job, JobEvent.DISCARD):
+            out.append((f"discard {what}", _p_job(jid, JobEvent.DISCARD)))
+        if job.state in JOB_TERMINAL:
+            out.append((f"ack {what}", _p_job(jid, JobEvent.ACK)))
+    # Slot machine, through the manager's entry points.
+    for k, code in enumerate(state.slots):
+        key = h.keys_by_id[k]
+        name = "absent" if code == ABSENT else "writing" if code == WRITING else "ready" if code == 0 else "reading"
+        if code < 0:  # begin_read is disabled in absent and writing
+            out.append((f"prepare_load(key {k}) while {name}", _p_slot(key, "prepare_load")))
+        if code < 1:  # end_read is disabled unless reading
+            out.append((f"complete_load(key {k}) while {name}", _p_slot(key, "complete_load")))
+        if code != WRITING:  # commit_write / abort_write are disabled unless writing
+            out.append((f"complete_write(key {k}) while {name}", _p_slot(key, "commit_write")))
+            out.append((f"complete_write(key {k}, failed) while {name}", _p_slot(key, "abort_write")))
+        if code != ABSENT:  # begin_write is disabled unless absent
+            out.append((f"prepare_write(key {k}) while {name}", _p_slot(key, "prepare_write")))
+    # Engine machine.
+    for event in EngineEvent:
+        if not h.engine_machine.can_fire(h.engine, event):
+            out.append((f"engine {event.value} in {h.engine.state.value}", _p_engine(event)))
+    # The scheduler's own rule: no reset_cache while a step is half scheduled.
+    if batch_open:
+        out.append(("reset_cache() with a step half scheduled", _p_reset()))
+    return out

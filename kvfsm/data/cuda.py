@@ -1,0 +1,948 @@
+"""The CUDA copy backend: asynchronous, ordered, batched GPU <-> pinned-host copies driven by the job machines.
+
+The worker fires a job's ``launch`` (the job enters ``in_flight``) and calls :meth:`CudaCopyBackend.submit`,
+which enqueues the whole copy and one CUDA event, and returns at once. :meth:`~CudaCopyBackend.poll` reports a job
+when ``event.query()`` says its copy is done - never by a blocking synchronize. Only :meth:`~CudaCopyBackend.wait`
+(fence and preemption flushes) and :meth:`~CudaCopyBackend.shutdown` block, because memory safety requires it.
+
+Ordering, the source of silent corruption in peers (vLLM #31210, #45704, #47282):
+
+- one dedicated stream per direction, so each direction executes in submission order;
+- every job's stream first waits for the compute stream (``wait_stream``): a store never reads KV the forward
+  has not finished writing, and a load never writes a block whose previous contents the compute stream may still
+  read or be zeroing;
+- across directions, per GPU block and per slot the backend remembers the last job of each direction that touched
+  it; a job first waits (``wait_event``) for the latest unfinished job of the *other* direction on any of its
+  blocks or slots - so a load into a re-allocated block waits for the store still reading it.
+
+Copy paths, chosen per job and layer group from a :class:`~kvfsm.data.calibration.CalibrationTable` measured at
+start-up on this device (never on the engine path):
+
+- ``dma``: device-side gather (one ``index_select`` per group when its layers are one allocation, else per
+  layer) into a device staging buffer laid out like the destination pool rows, then one ``cudaMemcpyAsync`` per
+  contiguous run of pool rows (slot-major pool: a run of slots of all layers is one DMA); loads the reverse.
+- ``runs``: one ``cudaMemcpyAsync`` per run of rows contiguous on both sides, straight between the KV cache and
+  the pool (no staging, no index kernel): best when blocks and slots come in long runs.
+- ``kernel`` (opt-in, ``enable_kernel_path`` or ``KVFSM_CUDA_KERNEL_COPY=1``): the pinned pool is mapped into the
+  device address space and index kernels read or write it directly over the bus - no per-run DMA setup, which is
+  what small scattered blocks need. It is verified byte-for-byte by the calibration before it can be chosen.
+
+``dma`` and ``runs`` issue ``cudaMemcpyAsync`` through ctypes on the runtime torch loaded (verified once by a
+self-test; ``KVFSM_CUDA_CTYPES_MEMCPY=0`` uses ``Tensor.copy_``), a fraction of the cost of a tensor slice and
+``copy_`` per run - what many small runs are bound by.
+
+Everything device-specific goes through a :class:`DeviceAPI`. :class:`CudaDevice` is the real one;
+:class:`EmulatedDevice` runs the same backend on CPU tensors with deferred, event-ordered streams, so the launch,
+ordering and completion logic is exercised (and race-tested) without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+
+from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.data.backend import CopyStats
+from kvfsm.data.calibration import CalibrationTable, Choice, Measure, cached_table, calibrate, grid
+from kvfsm.data.plan import IndexArray, JobPlan, LayerGroup, Registration
+from kvfsm.data.pool import CPUSlotPool
+from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.validation import is_int
+
+__all__ = [
+    "CTYPES_MEMCPY_ENV",
+    "CUDA_COPY_PATHS",
+    "KERNEL_PATH_ENV",
+    "CudaCopyBackend",
+    "CudaDevice",
+    "DeviceAPI",
+    "EmulatedDevice",
+    "cuda_calibration",
+]
+
+logger = logging.getLogger(__name__)
+
+CUDA_COPY_PATHS = ("dma", "runs", "kernel")
+KERNEL_PATH_ENV = "KVFSM_CUDA_KERNEL_COPY"
+CTYPES_MEMCPY_ENV = "KVFSM_CUDA_CTYPES_MEMCPY"
+#: Device staging per direction (the dma path); a job larger than this is copied in pieces on its stream.
+DEFAULT_STAGING_BYTES = 64 << 20
+
+_TYPESTR = {
+    torch.complex128: "<c16",
+    torch.int64: "<i8",
+    torch.int32: "<i4",
+    torch.int16: "<i2",
+    torch.uint8: "|u1",
+}
+
+
+# ---------------------------------------------------------------------------------------------- device API
+
+
+class DeviceAPI(Protocol):
+    """Streams, events and memory of one device, as the backend uses them."""
+
+    device: torch.device
+
+    def new_stream(self) -> Any: ...
+
+    def current_stream(self) -> Any:
+        """The stream the engine computes on (whose queued work a copy must wait for)."""
+        ...
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        """Work queued on ``stream`` from now on waits for everything queued on ``other`` so far."""
+        ...
+
+    def new_event(self) -> Any: ...
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def wait_event(self, stream: Any, event: Any) -> None: ...
+
+    def query(self, event: Any) -> bool:
+        """Non-blocking: has the work before ``event`` finished?"""
+        ...
+
+    def synchronize(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+        ...
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        """Queue the device work ``fn`` issues on ``stream`` (``fn`` runs with ``stream`` current)."""
+        ...
+
+    def upload(self, a: IndexArray) -> torch.Tensor:
+        """An int64 index array as a device tensor, copied on the current stream (call inside ``launch``)."""
+        ...
+
+    def host_alias(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A device tensor aliasing pinned host tensor ``t`` (zero-copy), or None where unsupported."""
+        ...
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """``t``'s memory is not reused before the work queued on ``stream`` when it is freed has run."""
+        ...
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Asynchronous copies of row ranges ``(dst row, src row, rows)`` between two row tensors (rows on
+        dim 0, one of them pinned host memory), on the current stream (call inside ``launch``)."""
+        ...
+
+
+class _Interface:
+    """Exposes a host tensor's memory through ``__cuda_array_interface__`` (for :meth:`CudaDevice.host_alias`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape),
+            "strides": tuple(s * t.element_size() for s in t.stride()),
+            "typestr": _TYPESTR[t.dtype],
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_MemcpyAsync = Callable[[int, int, int, int, int], int]
+_memcpy_state: list[_MemcpyAsync | None] = []
+_memcpy_lock = threading.Lock()
+
+
+def _find_cudart() -> _MemcpyAsync | None:
+    """``cudaMemcpyAsync`` of the CUDA runtime torch has loaded (found in /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = sorted({line.split()[-1] for line in fh if "libcudart.so" in line and "/" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpyAsync
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return cast("_MemcpyAsync", fn)
+    return None
+
+
+def _self_test(memcpy: _MemcpyAsync) -> bool:
+    """Both directions through ``memcpy`` on a side stream, compared byte for byte."""
+    host = torch.arange(1 << 16, dtype=torch.int32).pin_memory()
+    back = torch.zeros_like(host).pin_memory()
+    dev = torch.zeros(host.shape, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    n = host.numel() * host.element_size()
+    with torch.cuda.stream(stream):
+        h = stream.cuda_stream
+        ok = memcpy(dev.data_ptr(), host.data_ptr(), n, _CUDA_MEMCPY_DEFAULT, h) == 0
+        ok = ok and memcpy(back.data_ptr(), dev.data_ptr(), n, _CUDA_MEMCPY_DEFAULT, h) == 0
+    stream.synchronize()
+    return ok and torch.equal(back, host)
+
+
+def _memcpy_async() -> _MemcpyAsync | None:
+    """The verified ctypes ``cudaMemcpyAsync`` (once per process), or None: copies then go through ``copy_``.
+    ``KVFSM_CUDA_CTYPES_MEMCPY=0`` turns it off."""
+    with _memcpy_lock:
+        if not _memcpy_state:
+            fn = None
+            if os.environ.get(CTYPES_MEMCPY_ENV, "1") != "0":
+                try:
+                    fn = _find_cudart()
+                    if fn is not None and not _self_test(fn):
+                        logger.warning("cudaMemcpyAsync through ctypes failed its self-test; using copy_")
+                        fn = None
+                except Exception as exc:
+                    logger.warning("cudaMemcpyAsync through ctypes unavailable (%r); using copy_", exc)
+                    fn = None
+            _memcpy_state.append(fn)
+        return _memcpy_state[0]
+
+
+class CudaDevice:
+    """The real device API over ``torch.cuda``."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ConfigError(f"CudaDevice needs a CUDA device, got {device}")
+        if not torch.cuda.is_available():
+            raise ConfigError("CUDA is not available; expected a machine with a CUDA GPU")
+        index = cast("int | None", device.index)  # the stubs say int; an index-less device has None
+        self.device = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        stream.wait_stream(other)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        with torch.cuda.stream(stream):
+            fn()
+
+    def upload(self, a: IndexArray) -> torch.Tensor:
+        # Pinned (caching host allocator), so the copy is asynchronous and the buffer is not reused before the
+        # copy has read it (the allocator records an event on the current stream).
+        host = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def host_alias(self, t: torch.Tensor) -> torch.Tensor | None:
+        if t.dtype not in _TYPESTR:
+            return None
+        try:
+            alias = torch.as_tensor(_Interface(t), device=self.device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            logger.info("no zero-copy device view of the pool: %r", exc)
+            return None
+        # A copy instead of an alias (wrong device, unmapped memory) would silently lose every write.
+        if alias.data_ptr() != t.data_ptr() or alias.device != self.device or alias.shape != t.shape:
+            return None
+        return alias
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+        memcpy = _memcpy_async()
+        if memcpy is None or not (dst.is_contiguous() and src.is_contiguous()) or dst.dtype != src.dtype:
+            for d0, s0, n in runs:
+                dst[d0 : d0 + n].copy_(src[s0 : s0 + n], non_blocking=True)
+            return
+        # The runtime's cudaMemcpyAsync straight from Python: a few hundred ns per copy instead of the microseconds
+        # of a tensor slice and copy_ - what a job of many small runs is made of.
+        row = int(src[0].numel()) * src.element_size() if src.shape[0] else 0
+        dbase, sbase = dst.data_ptr(), src.data_ptr()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for d0, s0, n in runs:
+            err = memcpy(dbase + d0 * row, sbase + s0 * row, n * row, _CUDA_MEMCPY_DEFAULT, stream)
+            if err:
+                raise KvfsmError(f"cudaMemcpyAsync of {n * row} bytes failed with CUDA error {err}")
+
+
+@dataclass(eq=False)
+class _EmuStream:
+    name: str
+    ops: deque[Callable[[], None] | _EmuEvent] = field(default_factory=deque)
+    enqueued: int = 0
+    executed: int = 0
+
+
+@dataclass(eq=False)
+class _EmuEvent:
+    stream: _EmuStream | None = None
+    position: int = 0
+
+
+class EmulatedDevice:
+    """A CPU stand-in for a CUDA device: deferred streams that honour ``wait_event``/``wait_stream``.
+
+    Work queued on a stream runs only when something needs it: :meth:`synchronize` of a later event, :meth:`run`
+    / :meth:`run_all`, or (``auto_progress=True``) a :meth:`query`. A stream that reaches a wait first runs the
+    awaited stream up to the awaited event. So a copy that forgot to wait for the compute stream, or for the other
+    direction, reads or overwrites data in the wrong order - deterministically - and the race tests catch it.
+
+    ``synchronize_calls`` counts blocking waits (the engine path must make none).
+    """
+
+    def __init__(self, auto_progress: bool = True) -> None:
+        self.device = torch.device("cpu")
+        self.auto_progress = auto_progress
+        self.compute = _EmuStream("compute")
+        self.synchronize_calls = 0
+        self.query_calls = 0
+        self.launches = 0
+        self._streams: list[_EmuStream] = [self.compute]
+
+    def new_stream(self) -> _EmuStream:
+        s = _EmuStream(f"copy{len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def current_stream(self) -> _EmuStream:
+        return self.compute
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        self._wait(stream, _EmuEvent(other, other.enqueued))
+
+    def new_event(self) -> _EmuEvent:
+        return _EmuEvent()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.stream = stream
+        event.position = stream.enqueued
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._wait(stream, event)
+
+    def _wait(self, stream: _EmuStream, event: _EmuEvent) -> None:
+        if event.stream is None:
+            return
+        stream.ops.append(_EmuEvent(event.stream, event.position))
+        stream.enqueued += 1
+
+    def query(self, event: Any) -> bool:
+        self.query_calls += 1
+        if event.stream is None:
+            return True
+        if self.auto_progress:
+            self._run_to(event.stream, event.position)
+        return bool(event.stream.executed >= event.position)
+
+    def synchronize(self, event: Any) -> None:
+        self.synchronize_calls += 1
+        if event.stream is not None:
+            self._run_to(event.stream, event.position)
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        self.launches += 1
+        stream.ops.append(fn)
+        stream.enqueued += 1
+
+    def upload(self, a: IndexArray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a, dtype=np.int64, copy=True))
+
+    def host_alias(self, t: torch.Tensor) -> torch.Tensor | None:
+        return t
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+        for d0, s0, n in runs:
+            dst[d0 : d0 + n].copy_(src[s0 : s0 + n])
+
+    # -- test controls --
+
+    def pending(self, stream: Any) -> int:
+        return int(stream.enqueued - stream.executed)
+
+    def run(self, stream: Any) -> None:
+        """Execute everything queued on ``stream`` (and whatever it waits for)."""
+        self._run_to(stream, stream.enqueued)
+
+    def run_all(self) -> None:
+        for s in self._streams:
+            self.run(s)
+
+    def _run_to(self, stream: _EmuStream, position: int) -> None:
+        while stream.executed < position:
+            op = stream.ops.popleft()
+            if isinstance(op, _EmuEvent):
+                if op.stream is not None:
+                    self._run_to(op.stream, op.position)
+            else:
+                op()
+            stream.executed += 1
+
+
+# ---------------------------------------------------------------------------------------------- launches
+
+
+class _Indexes:
+    """Every index array of one job, uploaded with one host->device copy, then handed out as slices."""
+
+    def __init__(self) -> None:
+        self._parts: list[IndexArray] = []
+        self._offsets: list[int] = []
+        self._size = 0
+        self._device: torch.Tensor | None = None
+
+    def add(self, a: IndexArray) -> int:
+        self._parts.append(np.ascontiguousarray(a, dtype=np.int64).reshape(-1))
+        self._offsets.append(self._size)
+        self._size += int(a.size)
+        return len(self._parts) - 1
+
+    def upload(self, api: DeviceAPI) -> None:
+        if self._parts:
+            self._device = api.upload(np.concatenate(self._parts))
+
+    def __getitem__(self, key: int) -> torch.Tensor:
+        assert self._device is not None
+        lo = self._offsets[key]
+        return self._device[lo : lo + int(self._parts[key].size)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A slice of a group's pairs in pool-row order, small enough for the staging buffer."""
+
+    lo: int
+    hi: int
+    segments: tuple[tuple[int, int, int], ...]  #: (pool row, staging row, rows) per contiguous run of pool rows
+
+
+def _segments(prows: IndexArray, breaks: IndexArray, stage_rows: int) -> list[_Piece]:
+    """Cut sorted pool rows into pieces of at most ``stage_rows`` rows, and each piece into runs of contiguous
+    rows (also cut at ``breaks``: pinned-range starts). Vectorised: a job of many small runs is the common case."""
+    n = int(prows.shape[0])
+    if n == 0:
+        return []
+    pos = np.arange(1, n, dtype=np.int64)
+    cut = (np.diff(prows) != 1) | np.isin(prows[1:], breaks) | (pos % stage_rows == 0)
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), pos[cut]))
+    sizes = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
+    first_rows = prows[starts]
+    piece_of = starts // stage_rows
+    bounds = np.searchsorted(piece_of, np.arange(0, (n - 1) // stage_rows + 2, dtype=np.int64)).tolist()
+    pieces: list[_Piece] = []
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        lo = k * stage_rows
+        segs = tuple(zip(first_rows[a:b].tolist(), (starts[a:b] - lo).tolist(), sizes[a:b].tolist(), strict=True))
+        pieces.append(_Piece(lo, min(n, lo + stage_rows), segs))
+    return pieces
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    is_store: bool
+    future: Future[None]
+    nbytes: int
+    seq: int = -1
+    event: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class CudaCopyBackend:
+    """Asynchronous batched copies between one CUDA KV-cache shard and one pinned :class:`CPUSlotPool`.
+
+    ``copy_path``: ``"auto"`` (calibrated at construction), ``"dma"`` or ``"kernel"``. ``device_api`` defaults to
+    :class:`CudaDevice` for the KV caches' device; tests pass an :class:`EmulatedDevice` with CPU tensors.
+    ``compute_stream``: the stream copies wait for (default: the device's current stream at each submit).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        pool: CPUSlotPool,
+        blocks_per_chunk: int,
+        *,
+        layers_per_group: int | None = None,
+        copy_path: str = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        enable_kernel_path: bool | None = None,
+        calibration: CalibrationTable | None = None,
+        device_api: DeviceAPI | None = None,
+        compute_stream: Any = None,
+    ) -> None:
+        if copy_path not in ("auto", *CUDA_COPY_PATHS):
+            raise ConfigError(f"copy_path={copy_path!r}; expected 'auto' or one of {CUDA_COPY_PATHS}")
+        if not is_int(staging_bytes) or staging_bytes < 1:
+            raise ConfigError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
+        reg = Registration(kv_caches, pool, blocks_per_chunk, layers_per_group)
+        if device_api is None:
+            if reg.device.type != "cuda":
+                raise ConfigError(
+                    f"KV caches on {reg.device}: CudaCopyBackend copies CUDA caches; expected CUDA tensors "
+                    f"(use ThreadPoolCopyBackend for host-resident caches)"
+                )
+            device_api = CudaDevice(reg.device)
+        elif reg.device != device_api.device:
+            raise ConfigError(f"KV caches on {reg.device}; expected the device API's {device_api.device}")
+        self.api: DeviceAPI = device_api
+        self.registration = reg
+        self.kv_caches = reg.kv_caches
+        self.pool = pool
+        self.blocks_per_chunk = reg.blocks_per_chunk
+        self.num_blocks = reg.num_blocks
+        self.device = reg.device
+        if isinstance(device_api, CudaDevice) and not pool.pinned:
+            warnings.warn(
+                "the CPU slot pool is not pinned: host<->device copies are synchronous and block the engine",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        kernel = enable_kernel_path
+        if kernel is None:
+            kernel = copy_path == "kernel" or os.environ.get(KERNEL_PATH_ENV, "") == "1"
+        self._pool_alias: torch.Tensor | None = None
+        if kernel and (pool.pinned or not isinstance(device_api, CudaDevice)):
+            self._pool_alias = device_api.host_alias(reg.pool_rows)
+        if copy_path == "kernel" and self._pool_alias is None:
+            raise ConfigError("copy_path='kernel' needs a pinned pool mapped into the device address space")
+        self.paths: tuple[str, ...] = ("dma", "runs", "kernel") if self._pool_alias is not None else ("dma", "runs")
+        self._forced = None if copy_path == "auto" else copy_path
+        max_group = max(g.size for g in reg.groups)
+        self.stage_rows = max(max_group, staging_bytes // reg.row_bytes)
+        carrier = reg.pool_rows.dtype
+        self._streams = {True: device_api.new_stream(), False: device_api.new_stream()}
+        self._stage = {d: device_api.empty((self.stage_rows, *reg.row_shape), carrier) for d in (True, False)}
+        self._compute_stream = compute_stream
+        # Pool rows at which a pinned registration starts: a DMA never crosses one.
+        rows_per_slot = pool.num_layers * pool.blocks_per_chunk
+        self._pin_breaks = np.array([lo * rows_per_slot for lo, _ in pool.pinned_ranges[1:]], dtype=np.int64)
+        # Hazard tracking: per direction, the seq of the last job touching each GPU block / slot.
+        self._seq = 0
+        self._block_seq = {d: np.full(reg.num_blocks, -1, dtype=np.int64) for d in (True, False)}
+        self._slot_seq = {d: np.full(pool.num_slots, -1, dtype=np.int64) for d in (True, False)}
+        self._seq_events: dict[int, Any] = {}
+        self._inflight: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+        self._stats = [0, 0, 0, 0, 0]
+        #: (direction, path) -> layer-group copies done that way
+        self.path_counts: Counter[tuple[str, str]] = Counter()
+        self._closed = False
+        self._calibration = calibration
+        for d, stage in self._stage.items():
+            device_api.record_stream(stage, self._streams[d])  # freed only after the copies that use it
+        if self._forced is None and calibration is None and isinstance(device_api, CudaDevice):
+            self._calibration = cuda_calibration(device_api, kernel="kernel" in self.paths)
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaCopyBackend(device={self.device}, layers={self.registration.num_layers}, "
+            f"groups={len(self.registration.groups)}, paths={self.paths}, in_flight={len(self._inflight)})"
+        )
+
+    # ------------------------------------------------------------------ the CopyBackend protocol
+
+    def check(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> None:
+        self.registration.check(is_store, gpu, slots)
+
+    def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
+        """Enqueue the job's copy and its completion event; returns at once.
+
+        The returned future resolves when :meth:`poll` or :meth:`wait` observes the job finished. A launch that
+        fails (e.g. an id that slipped past :meth:`check`) does not raise: the job is reported failed by
+        :meth:`poll` - after whatever part of it was already queued has run, so its memory is free again.
+        """
+        if self._closed:
+            raise KvfsmError(f"job {job_id}: the copy backend is shut down; expected no submissions")
+        if job_id in self._inflight:
+            raise ConfigError(f"job {job_id} is already submitted and not yet polled; expected a new job id")
+        self.check(is_store, gpu, slots)
+        future: Future[None] = Future()
+        job = _Job(job_id, is_store, future, len(gpu.block_ids) * self.pool.nbytes_per_slot // self.blocks_per_chunk)
+        self._inflight[job_id] = job
+        try:
+            plan = self.registration.plan(is_store, gpu, slots)
+        except Exception as exc:  # nothing was queued: the job fails at the next poll
+            job.error = exc
+            return future
+        if plan.num_blocks == 0:
+            return future
+        self._launch(job, plan)
+        return future
+
+    def poll(self) -> list[tuple[int, bool]]:
+        finished: list[tuple[int, bool]] = []
+        for job_id, job in list(self._inflight.items()):
+            if not job.done and job.event is not None and not self.api.query(job.event):
+                continue
+            del self._inflight[job_id]
+            self._finish(job)
+            finished.append((job_id, job.error is None))
+        return finished
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the named jobs' copies are done (fence/preemption flushes and shutdown only)."""
+        for job_id in job_ids:
+            job = self._inflight.get(job_id)
+            if job is not None and job.event is not None and not job.done:
+                self.api.synchronize(job.event)
+                self._finish(job)
+
+    def wait_all(self) -> None:
+        self.wait(list(self._inflight))
+
+    def shutdown(self) -> None:
+        self.wait_all()
+        self._closed = True
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def stats(self) -> CopyStats:
+        with self._lock:
+            return CopyStats(*self._stats)
+
+    @property
+    def bytes_stored(self) -> int:
+        return self.stats().bytes_stored
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.stats().bytes_loaded
+
+    @property
+    def calibration(self) -> CalibrationTable | None:
+        return self._calibration
+
+    # ------------------------------------------------------------------ completion
+
+    def _finish(self, job: _Job) -> None:
+        if job.done:
+            return
+        job.done = True
+        self._seq_events.pop(job.seq, None)
+        with self._lock:
+            if job.error is not None:
+                self._stats[4] += 1
+            elif job.is_store:
+                self._stats[0] += job.nbytes
+                self._stats[2] += 1
+            else:
+                self._stats[1] += job.nbytes
+                self._stats[3] += 1
+        if job.error is not None:
+            logger.warning("copy of job %d failed: %r", job.job_id, job.error)
+            job.future.set_exception(job.error)
+        else:
+            job.future.set_result(None)
+
+    # ------------------------------------------------------------------ launching
+
+    def _launch(self, job: _Job, plan: JobPlan) -> None:
+        api = self.api
+        stream = self._streams[job.is_store]
+        other = not job.is_store
+        self._seq += 1
+        seq = self._seq
+        # The latest unfinished job of the other direction on any of our blocks or slots (its stream is FIFO,
+        # so waiting for the latest one covers the earlier ones).
+        dep = max(int(self._block_seq[other][plan.gpu_ids].max()), int(self._slot_seq[other][plan.slot_ids].max()))
+        dep_event = self._seq_events.get(dep) if dep >= 0 else None
+        try:
+            paths = [self._choose(plan, g) for g in range(len(self.registration.groups))]
+            work = self._prepare(plan, paths)
+        except Exception as exc:  # nothing was queued yet
+            job.error = exc
+            return
+        queued = False
+        try:
+            api.wait_stream(stream, self._compute_stream if self._compute_stream is not None else api.current_stream())
+            if dep_event is not None and not api.query(dep_event):
+                api.wait_event(stream, dep_event)
+            queued = True
+            api.launch(stream, work)
+        except Exception as exc:
+            job.error = exc
+            if not queued:
+                return
+        event = api.new_event()
+        try:
+            api.record(event, stream)
+        except Exception as exc:  # the device is unusable; report at once
+            job.error = job.error or exc
+            return
+        job.seq = seq
+        job.event = event
+        self._seq_events[seq] = event
+        self._block_seq[job.is_store][plan.gpu_ids] = seq
+        self._slot_seq[job.is_store][plan.slot_ids] = seq
+        direction = "store" if job.is_store else "load"
+        with self._lock:
+            for p in paths:
+                self.path_counts[(direction, p)] += 1
+
+    def _choose(self, plan: JobPlan, g: int) -> str:
+        if self._forced is not None:
+            return self._forced
+        if self._calibration is None:
+            return "dma"
+        reg = self.registration
+        n = plan.num_blocks * reg.groups[g].size
+        nbytes = n * reg.row_bytes
+        prows = plan.pool_rows[g].reshape(-1)
+        host_runs = 1 + int(np.count_nonzero(np.diff(np.sort(prows)) != 1)) if n else 1
+        both_runs = max(1, int(self._runs(plan, g)[3].shape[0]))
+        d = "store" if plan.is_store else "load"
+        work = {
+            "dma": Choice(nbytes, nbytes // host_runs, host_runs),
+            "runs": Choice(nbytes, nbytes // both_runs, both_runs),
+            "kernel": Choice(nbytes, reg.row_bytes, max(1, n)),
+        }
+        options = {f"{p}/{d}": work[p] for p in self.paths}
+        return self._calibration.choose(options, default=f"dma/{d}").split("/")[0]
+
+    def _runs(self, plan: JobPlan, g: int) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray]:
+        """Group ``g``'s rows as copies contiguous on both sides: arrays ``(layer, kv row, pool row, rows)`` in
+        pool-row order, never across a pinned-range start; ``layer`` is -1 for the stacked view."""
+        group = self.registration.groups[g]
+        prows = plan.pool_rows[g].reshape(-1)
+        width = self.num_blocks + 1  # per-layer row spaces with a gap, so runs never cross from one to the next
+        if group.stacked is not None:
+            krows = plan.kv_rows[g].reshape(-1)
+        else:
+            j = np.tile(np.arange(group.size, dtype=np.int64), plan.num_blocks)
+            krows = j * width + np.repeat(plan.gpu_ids, group.size)
+        order = np.argsort(prows, kind="stable")
+        k, p = krows[order], prows[order]
+        brk = (np.diff(k) != 1) | (np.diff(p) != 1) | np.isin(p[1:], self._pin_breaks)
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(brk) + 1))
+        sizes = np.diff(np.concatenate((starts, np.array([k.shape[0]], dtype=np.int64))))
+        k0 = k[starts]
+        if group.stacked is not None:
+            return np.full(starts.shape, -1, dtype=np.int64), k0, p[starts], sizes
+        return k0 // width, k0 % width, p[starts], sizes
+
+    def _prepare(self, plan: JobPlan, paths: list[str]) -> Callable[[], None]:
+        """Build every address list on the host, then return the function that queues the device work."""
+        idx = _Indexes()
+        steps: list[Callable[[], None]] = []
+        for g, path in enumerate(paths):
+            group = self.registration.groups[g]
+            if path == "kernel":
+                steps.extend(self._kernel_steps(plan, g, group, idx))
+            elif path == "runs":
+                steps.append(self._runs_step(plan, g, group))
+            else:
+                steps.extend(self._dma_steps(plan, g, group, idx))
+        api = self.api
+
+        def work() -> None:
+            idx.upload(api)
+            for step in steps:
+                step()
+
+        return work
+
+    def _dma_steps(self, plan: JobPlan, g: int, group: LayerGroup, idx: _Indexes) -> list[Callable[[], None]]:
+        reg = self.registration
+        prows = plan.pool_rows[g].reshape(-1)
+        krows = plan.kv_rows[g].reshape(-1)
+        order = np.argsort(prows, kind="stable")
+        prows_s, krows_s = prows[order], krows[order]
+        layer_s = np.tile(np.arange(group.size, dtype=np.int64), plan.num_blocks)[order]
+        pool = reg.pool_rows
+        stage = self._stage[plan.is_store]
+        store = plan.is_store
+        api = self.api
+        steps: list[Callable[[], None]] = []
+        for piece in _segments(prows_s, self._pin_breaks, self.stage_rows):
+            m = piece.hi - piece.lo
+            k = krows_s[piece.lo : piece.hi]
+            if group.stacked is not None:
+                kv_moves: list[tuple[torch.Tensor, int, int | None]] = [(group.stacked, idx.add(k), None)]
+            else:
+                lay = layer_s[piece.lo : piece.hi]
+                kv_moves = []
+                for j, layer in enumerate(group.layers):
+                    pos = np.flatnonzero(lay == j)
+                    if pos.size:
+                        kv_moves.append((layer, idx.add(k[pos] - j * group.spacing), idx.add(pos)))
+            segs = piece.segments
+
+            def step(
+                m: int = m,
+                kv_moves: list[tuple[torch.Tensor, int, int | None]] = kv_moves,
+                segs: tuple[tuple[int, int, int], ...] = segs,
+            ) -> None:
+                buf = stage[:m]
+                if store:
+                    for src, rows, pos in kv_moves:
+                        if pos is None:
+                            torch.index_select(src, 0, idx[rows], out=buf)
+                        else:
+                            buf.index_copy_(0, idx[pos], src.index_select(0, idx[rows]))
+                    api.copy_rows(pool, buf, segs)
+                else:
+                    api.copy_rows(buf, pool, [(s0, p0, n) for p0, s0, n in segs])
+                    for dst, rows, pos in kv_moves:
+                        if pos is None:
+                            dst.index_copy_(0, idx[rows], buf)
+                        else:
+                            dst.index_copy_(0, idx[rows], buf.index_select(0, idx[pos]))
+
+            steps.append(step)
+        return steps
+
+    def _runs_step(self, plan: JobPlan, g: int, group: LayerGroup) -> Callable[[], None]:
+        """One direct ``cudaMemcpyAsync`` per run contiguous on both sides (no staging, no index kernel)."""
+        pool = self.registration.pool_rows
+        stacked = group.stacked
+        layer, k0, p0, sizes = self._runs(plan, g)
+        moves: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
+        for j in np.unique(layer).tolist():
+            sel = layer == j
+            runs = list(zip(k0[sel].tolist(), p0[sel].tolist(), sizes[sel].tolist(), strict=True))
+            moves.append((stacked if stacked is not None else group.layers[j], runs))
+        store = plan.is_store
+        api = self.api
+
+        def step() -> None:
+            for kv, runs in moves:
+                if store:
+                    api.copy_rows(pool, kv, [(p0, k0, n) for k0, p0, n in runs])
+                else:
+                    api.copy_rows(kv, pool, runs)
+
+        return step
+
+    def _kernel_steps(self, plan: JobPlan, g: int, group: LayerGroup, idx: _Indexes) -> list[Callable[[], None]]:
+        alias = self._pool_alias
+        if alias is None:
+            raise ConfigError("the kernel copy path needs the pool mapped into the device address space")
+        prows = plan.pool_rows[g]
+        krows = plan.kv_rows[g]
+        store = plan.is_store
+        nb = max(1, self.stage_rows // group.size)
+        steps: list[Callable[[], None]] = []
+        for b0 in range(0, plan.num_blocks, nb):
+            b1 = min(plan.num_blocks, b0 + nb)
+            if group.stacked is not None:
+                moves = [(group.stacked, idx.add(krows[b0:b1].reshape(-1)), idx.add(prows[b0:b1].reshape(-1)))]
+            else:
+                gidx = idx.add(plan.gpu_ids[b0:b1])
+                moves = [(layer, gidx, idx.add(prows[b0:b1, j])) for j, layer in enumerate(group.layers)]
+
+            def step(moves: list[tuple[torch.Tensor, int, int]] = moves) -> None:
+                for kv, rows, pos in moves:
+                    if store:
+                        alias.index_copy_(0, idx[pos], kv.index_select(0, idx[rows]))
+                    else:
+                        kv.index_copy_(0, idx[rows], alias.index_select(0, idx[pos]))
+
+            steps.append(step)
+        return steps
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+_CAL_UNITS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+_CAL_COUNTS = (8, 64, 512, 4096)
+_CAL_MAX_BYTES = 64 << 20
+
+
+def _cuda_measure(api: CudaDevice, path: str, is_store: bool) -> Measure:
+    cache: dict[int, tuple[torch.Tensor, CPUSlotPool, CudaCopyBackend]] = {}
+
+    def rig(unit: int) -> tuple[torch.Tensor, CPUSlotPool, CudaCopyBackend]:
+        if unit not in cache:
+            for old in cache.values():
+                old[2].shutdown()
+                old[1].close()
+            cache.clear()
+            count = max(1, _CAL_MAX_BYTES // unit)
+            kv = torch.randint(0, 256, (count, unit), dtype=torch.uint8, device=api.device)
+            pool = CPUSlotPool(count, 1, (unit,), 1, torch.uint8, pin_memory=True)
+            if not pool.pinned:
+                raise KvfsmError("calibration needs pinned host memory")
+            pool.rows.copy_(torch.randint(0, 256, (count, unit), dtype=torch.uint8))
+            backend = CudaCopyBackend(
+                [kv], pool, 1, copy_path=path, enable_kernel_path=path == "kernel", device_api=api
+            )
+            cache[unit] = (kv, pool, backend)
+        return cache[unit]
+
+    counter = iter(range(1 << 62))
+
+    def measure(unit: int, count: int) -> float:
+        kv, pool, backend = rig(unit)
+        gen = torch.Generator().manual_seed(unit * 7919 + count)
+        blocks = tuple(torch.randperm(kv.shape[0], generator=gen)[:count].tolist())
+        slots = tuple(torch.randperm(pool.num_slots, generator=gen)[:count].tolist())
+        times = []
+        for _ in range(4):
+            job = next(counter)
+            torch.cuda.synchronize(api.device)
+            t0 = time.perf_counter()
+            backend.submit(job, is_store, GPUBlockSpec(blocks), SlotSpec(slots))
+            backend.wait([job])
+            times.append(time.perf_counter() - t0)
+            if backend.poll() != [(job, True)]:
+                raise KvfsmError(f"calibration job of path {path!r} failed")
+        b, s = torch.tensor(blocks), torch.tensor(slots)
+        if not torch.equal(kv[b.to(api.device)].cpu(), pool.rows[s]):
+            raise KvfsmError(f"calibration copy of path {path!r} moved the wrong bytes")
+        return unit * count / sorted(times[1:])[1]
+
+    return measure
+
+
+def cuda_calibration(api: CudaDevice, kernel: bool) -> CalibrationTable:
+    """This device's table (measured once per process, a few seconds, or read from the calibration file)."""
+    name = torch.cuda.get_device_name(api.device)
+    paths = CUDA_COPY_PATHS if kernel else ("dma", "runs")
+    context = f"cuda/{name}/{'+'.join(paths)}"
+
+    def build() -> CalibrationTable:
+        measures = {f"{p}/{d}": _cuda_measure(api, p, d == "store") for p in paths for d in ("store", "load")}
+        return calibrate(context, measures, grid(_CAL_UNITS, _CAL_COUNTS, _CAL_MAX_BYTES))
+
+    return cached_table(context, build)

@@ -1,0 +1,216 @@
+"""The whole system with real torch copies: the reference engine under :class:`SystemStateMachine`.
+
+Needs the ``torch`` extra. :class:`EngineStateMachine` runs the rules and checks of
+:mod:`kvfsm.testing.system` on a :class:`~kvfsm.engine.core.ReferenceEngine`: the scheduler half, the CPU
+primary (optionally in front of an :class:`~kvfsm.control.memory_tier.InMemoryTier` that copies real slot
+bytes), and ``W`` workers whose :class:`~kvfsm.data.backend.ThreadPoolCopyBackend` copies run real torch
+gathers and scatters. Each backend is wrapped in a :class:`~kvfsm.testing.backend.ManualCopyBackend`, so a
+copy runs only when a rule completes it (waiting on its real future) or when a step blocks on it.
+
+The data checks are byte for byte: a readable CPU slot must hold, on every rank, the head shard of the
+value the stand-in forward writes for each of its blocks; a store that has not copied yet must find those
+values in its GPU source blocks; and the engine verifies every block a load brings back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from kvfsm.control.job import Job
+from kvfsm.control.scheduler import OffloadingScheduler
+from kvfsm.control.types import OffloadKey
+from kvfsm.data.backend import ThreadPoolCopyBackend
+from kvfsm.data.layout import head_shard, shard_kv_caches
+from kvfsm.data.pool import CPUSlotPool
+from kvfsm.data.worker import OffloadingWorker
+from kvfsm.deadlines import ManualClock
+from kvfsm.engine.core import EngineConfig, ReferenceEngine
+from kvfsm.engine.requests import EngineRequest
+from kvfsm.states import EngineState
+from kvfsm.testing.backend import ManualCopyBackend
+from kvfsm.testing.coverage import spec_covered
+from kvfsm.testing.system import SYSTEM_EXEMPT, SystemConfig, SystemHarness, SystemStateMachine, make_manager
+
+__all__ = ["EngineHarness", "EngineStateMachine", "PoolsSlotIO"]
+
+
+class PoolsSlotIO:
+    """A tier's view of a CPU slot over W workers' pools: the ranks' bytes, concatenated."""
+
+    def __init__(self, pools: Sequence[CPUSlotPool] = ()) -> None:
+        self.pools: list[CPUSlotPool] = list(pools)
+
+    def read_slot(self, slot_id: int) -> bytes:
+        return b"".join(pool.read_slot(slot_id) for pool in self.pools)
+
+    def write_slot(self, slot_id: int, data: bytes) -> None:
+        offset = 0
+        for pool in self.pools:
+            n = pool.nbytes_per_slot
+            pool.write_slot(slot_id, data[offset : offset + n])
+            offset += n
+        if offset != len(data):
+            raise AssertionError(f"slot data has {len(data)} bytes; expected {offset}")
+
+
+class EngineHarness(SystemHarness):
+    """A ReferenceEngine whose W workers copy through manual backends over real thread-pool backends."""
+
+    def __init__(self, config: SystemConfig, device: str | None = "cpu") -> None:
+        self.config = config
+        self.clock = ManualClock()
+        io = PoolsSlotIO()
+        manager, self.tier, self.hook = make_manager(config, self.clock, io)
+        engine_config = EngineConfig(
+            num_layers=2,
+            num_heads=4,
+            head_dim=2,
+            tokens_per_block=config.tokens_per_block,
+            blocks_per_chunk=config.blocks_per_chunk,
+            num_gpu_blocks=config.num_gpu_blocks,
+            num_cpu_slots=config.num_cpu_slots,
+            world_size=config.world_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            copy_threads=1,
+            device=device,
+        )
+        self.engine = engine = ReferenceEngine(
+            engine_config, manager=manager, deadlines=config.deadlines, clock=self.clock
+        )
+        for w in engine.workers:
+            w.shutdown()  # never started a copy: replaced by manual ones over the same KV caches
+        world = config.world_size
+        self.backends: list[ManualCopyBackend] = []
+        self.pools: list[CPUSlotPool] = []
+        workers: list[OffloadingWorker] = []
+        for rank in range(world):
+            shard = shard_kv_caches(engine.kv_caches, world, rank)
+            block_shape = tuple(int(d) for d in shard[0].shape[1:])
+            pool = CPUSlotPool(config.num_cpu_slots, config.blocks_per_chunk, block_shape, len(shard), shard[0].dtype)
+            backend = ManualCopyBackend(ThreadPoolCopyBackend(shard, pool, config.blocks_per_chunk, max_workers=1))
+            self.pools.append(pool)
+            self.backends.append(backend)
+            workers.append(OffloadingWorker(rank, world, backend))
+        engine.workers = workers
+        io.pools = self.pools
+        self._shards = [head_shard(engine_config.num_heads, world, rank) for rank in range(world)]
+        self._expected: dict[tuple[bytes, int, int], torch.Tensor] = {}
+
+    def expected_block(self, block_hash: bytes, layer: int, rank: int) -> torch.Tensor:
+        """The value the forward writes for a block of content ``block_hash``, in ``rank``'s heads (CPU)."""
+        key = (block_hash, layer, rank)
+        value = self._expected.get(key)
+        if value is None:
+            full = self.engine.expected_block(block_hash, layer)
+            value = full[:, self._shards[rank]].contiguous()
+            self._expected[key] = value
+        return value
+
+    # -- SystemHarness --
+
+    @property
+    def scheduler(self) -> OffloadingScheduler:
+        return self.engine.scheduler
+
+    @property
+    def state(self) -> EngineState:
+        return self.engine.current_state()
+
+    def make_request(self, req_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
+        return self.engine.make_request(req_id, prompt, max_tokens)
+
+    def add_request(self, request: EngineRequest, late: bool) -> None:
+        if late:
+            self.engine.add_request_during_next_step(request)
+        else:
+            self.engine.add_request(request)
+
+    def step(self) -> tuple[EngineState, bool] | None:
+        rec = self.engine.step()
+        return None if rec is None else (rec.state, rec.pending_push_work)
+
+    def has_pending_push_work(self) -> bool:
+        return self.engine.has_pending_push_work()
+
+    def live_request_ids(self) -> list[str]:
+        return sorted(r.req_id for r in self.engine.requests.values() if not r.is_finished)
+
+    def is_admitted(self, req_id: str) -> bool:
+        return req_id in self.engine.requests
+
+    def abort(self, req_id: str) -> None:
+        self.engine.abort(req_id)
+
+    def reset_offload_cache(self) -> None:
+        self.engine.reset_offload_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def held_copies(self) -> list[tuple[int, int]]:
+        return sorted((job_id, rank) for rank, b in enumerate(self.backends) for job_id in b.held_ids)
+
+    def complete_copy(self, job_id: int, rank: int, ok: bool) -> None:
+        self.backends[rank].complete(job_id, ok)
+
+    def copies_in_flight(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for rank, b in enumerate(self.backends):
+            for job_id in b.in_flight_ids():
+                out.setdefault(job_id, set()).add(rank)
+        return out
+
+    def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]:
+        return self.engine.workers[rank].unlaunched_store_ids
+
+    def load_mismatches(self) -> int:
+        return self.engine.integrity.mismatches
+
+    def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
+        out: list[str] = []
+        for rank, pool in enumerate(self.pools):
+            for sub, block_hash in enumerate(hashes):
+                for layer in range(pool.num_layers):
+                    if not torch.equal(pool.layers[layer][slot_id, sub], self.expected_block(block_hash, layer, rank)):
+                        out.append(
+                            f"readable key {key.hex()[:12]} (slot {slot_id}, block {sub}, layer {layer}) holds the "
+                            f"wrong bytes on rank {rank}"
+                        )
+        return out
+
+    def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
+        out: list[str] = []
+        for rank in sorted(ranks):
+            heads = self._shards[rank]
+            for block, block_hash in zip(job.gpu.block_ids, hashes, strict=True):
+                for layer, kv in enumerate(self.engine.kv_caches):
+                    if not torch.equal(kv[block][:, heads].cpu(), self.expected_block(block_hash, layer, rank)):
+                        out.append(
+                            f"GPU block {block} read by store job {job.job_id} was overwritten before rank {rank} "
+                            "copied it"
+                        )
+        return out
+
+    def shutdown(self, timeout: float | None) -> None:
+        if self.engine.state is not EngineState.STOPPED:
+            self.engine.shutdown(timeout)
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.inner.shutdown()
+
+
+@spec_covered("job", "request", "engine", "slot", exempt=SYSTEM_EXEMPT)
+class EngineStateMachine(SystemStateMachine):
+    """The reference engine with real copies against the spec (see :mod:`kvfsm.testing.system`).
+
+    ``device`` is ``"cpu"`` unless a subclass sets it (``None``: CUDA when available).
+    """
+
+    device: ClassVar[str | None] = "cpu"
+
+    def make_harness(self, config: SystemConfig) -> SystemHarness:
+        return EngineHarness(config, self.device)

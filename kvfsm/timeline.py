@@ -1,0 +1,112 @@
+"""A picture of the engine-state timeline: running / finishing / draining / idle over steps, with jobs in
+flight. Needs matplotlib (the ``plot`` extra: ``pip install 'kvfsm[plot]'``); imported only when drawing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.states import EngineState
+
+if TYPE_CHECKING:  # the engine needs torch; drawing a timeline does not
+    from kvfsm.engine.core import StepRecord
+
+__all__ = ["STATE_COLOURS", "PlotUnavailable", "plot_timeline", "state_runs"]
+
+STATE_COLOURS: dict[EngineState, str] = {
+    EngineState.RUNNING: "#2e7d32",
+    EngineState.FINISHING: "#f9a825",
+    EngineState.DRAINING: "#ef6c00",
+    EngineState.IDLE: "#9e9e9e",
+    EngineState.SHUTTING_DOWN: "#6a1b9a",
+    EngineState.STOPPED: "#212121",
+}
+
+
+class PlotUnavailable(KvfsmError, RuntimeError):
+    """matplotlib is not installed; the message says how to install the extra."""
+
+
+def state_runs(records: Sequence[StepRecord]) -> list[tuple[EngineState, int, int]]:
+    """Maximal runs of one engine state: ``(state, first step, last step)``, in order."""
+    runs: list[tuple[EngineState, int, int]] = []
+    for rec in records:
+        if runs and runs[-1][0] is rec.state and runs[-1][2] == rec.step - 1:
+            state, first, _ = runs[-1]
+            runs[-1] = (state, first, rec.step)
+        else:
+            runs.append((rec.state, rec.step, rec.step))
+    return runs
+
+
+def _pyplot() -> Any:
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise PlotUnavailable("matplotlib is not installed; install the extra with: pip install 'kvfsm[plot]'") from exc
+    matplotlib.use("Agg")  # files only, never a window
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def plot_timeline(
+    records: Sequence[StepRecord],
+    path: str | Path,
+    *,
+    title: str = "engine state over steps",
+    markers: Sequence[tuple[int, str]] = (),
+) -> Path:
+    """Draw the states (a coloured band per step) above the jobs in flight and requests scheduled.
+
+    ``markers`` are ``(step, label)`` pairs drawn as vertical lines (e.g. the start of each turn).
+    Writes a PNG (or any format matplotlib knows from the suffix) and returns its path.
+    """
+    if not records:
+        raise ConfigError("no step records to draw; expected the engine's timeline after at least one step")
+    plt = _pyplot()
+    patches = importlib.import_module("matplotlib.patches")
+    steps = [r.step for r in records]
+    fig, (band, jobs) = plt.subplots(
+        2, 1, figsize=(10, 3.8), sharex=True, gridspec_kw={"height_ratios": [1, 3]}, constrained_layout=True
+    )
+    seen: dict[EngineState, None] = {}
+    for state, first, last in state_runs(records):
+        band.axvspan(first - 0.5, last + 0.5, color=STATE_COLOURS[state], linewidth=0)
+        seen[state] = None
+    band.set_yticks([])
+    band.set_ylabel("state", rotation=0, ha="right", va="center")
+    band.legend(
+        handles=[patches.Patch(color=STATE_COLOURS[s], label=s.value) for s in seen],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.55),
+        ncol=len(seen),
+        frameon=False,
+    )
+    band.set_title(title, pad=28)
+    jobs.step(steps, [r.jobs_in_flight for r in records], where="mid", label="jobs in flight", color="#1565c0")
+    jobs.step(
+        steps, [len(r.scheduled) for r in records], where="mid", label="requests scheduled", color="#2e7d32", alpha=0.7
+    )
+    flushed = [(r.step, r.flushed) for r in records if r.flushed]
+    if flushed:
+        jobs.scatter(
+            *zip(*flushed, strict=True), marker="v", color="#c62828", label="jobs flushed (blocking)", zorder=3
+        )
+    for step, label in markers:
+        for ax in (band, jobs):
+            ax.axvline(step - 0.5, color="black", linewidth=0.8, linestyle=":")
+        jobs.annotate(label, (step - 0.4, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=8)
+    jobs.set_xlabel("engine step")
+    jobs.set_ylabel("count")
+    jobs.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    top = max(max(r.jobs_in_flight for r in records), max(len(r.scheduled) for r in records), 1)
+    jobs.set_ylim(0, top * 1.35 + 0.5)  # room for the legend and the turn labels
+    jobs.legend(loc="upper right", frameon=False, fontsize=8, ncol=3)
+    jobs.grid(axis="y", alpha=0.3)
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,580 @@
+"""A structured trace of every spec-machine transition (NDJSON), and its verification against the spec.
+
+Recording: :class:`TraceRecorder` installs itself as the process-wide transition tracer
+(:func:`kvfsm.fsm.set_tracer`, chaining whatever tracer was there) and writes one JSON object per line::
+
+    {"kvfsm_trace": 1, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
+    {"scope": "workload"}                                                                  <- optional
+    {"seq": 0, "t": 0.000123, "machine": "job", "id": "7", "inst": 3, "event": "launch",
+     "from": "submitted", "to": "in_flight", "kind": "store", "req": "u0-t0", "W": 2,
+     "keys": ["ab12..."], "pending": 2, "failed": 0}
+
+``id`` is the model's own name (job id, request id, slot key in hex, ``engine``); ``inst`` numbers model
+objects, so two schedulers' job 0 are told apart. Per machine a few fields of the model are added, read
+when the transition fires (before the caller updates its counters): a job's kind, request, world size
+and keys (first record only), its pending count and failure reports; a slot's readers; the engine's
+``has_pending_push_work()``. ``scope`` lines separate independent systems recorded one after another
+(cross-model checks never mix scopes).
+
+Verification (:func:`verify_trace`, ``kvfsm check --trace FILE``) replays the records against the spec
+tables and reports every violation with its line number:
+
+- format: every line is a JSON object with the fields above, names the spec knows, increasing ``seq``;
+- per model: the first record starts in the machine's initial state, each record's ``from`` is the
+  previous record's ``to``, and ``(from, event, to)`` is a transition of the spec (so nothing follows a
+  terminal state);
+- guards the trace can decide: a job starts with ``pending == W``, its pending count never grows, it is
+  launched at most W times and commits only after all W launches with no failure report (``ack`` to
+  ``failed`` only after one); a slot's readers (rebuilt from ``begin_read``/``end_read``) match
+  ``other_readers_remain`` / ``last_reader``; the engine settles to ``draining`` only with pending push
+  work and to ``idle`` or ``stopped`` only without;
+- invariants the trace can decide (spec/invariants.toml): ``idle_only_when_nothing_pending`` and
+  ``pending_work_covers_jobs`` (no job of the scope is live when the engine goes idle);
+  ``readable_only_after_commit`` (a slot commits only for a key of a store or promotion that has just
+  completed); ``one_load_per_request`` and the request machine's ``no_jobs`` guard; ``single_loader_per_chunk``;
+  ``complete_exactly_once`` (one terminal state per job, job ids never reused in a scope).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO, TypeGuard
+
+from kvfsm.errors import KvfsmError
+from kvfsm.fsm import TransitionTracer, set_tracer
+from kvfsm.spec_loader import MACHINE_NAMES, MachineSpec, load_machine
+
+__all__ = [
+    "TRACE_VERSION",
+    "TraceError",
+    "TraceRecorder",
+    "TraceReport",
+    "TraceViolation",
+    "read_trace",
+    "spec_fingerprint",
+    "verify_trace",
+    "verify_trace_file",
+]
+
+TRACE_VERSION = 1
+_MAX_KEPT = 200  # violations kept in a report (all are counted)
+
+
+class TraceError(KvfsmError, ValueError):
+    """A trace cannot be recorded or read at all (not a trace file, recorder misuse)."""
+
+
+def spec_fingerprint(name: str) -> str:
+    """A short hash of one machine's transition table, to tell which spec a trace was recorded against."""
+    spec = load_machine(name)
+    rows = sorted(f"{t.source}|{t.event}|{t.dest}|{t.guard}|{t.effect}" for t in spec.transitions)
+    return hashlib.sha256("\n".join([spec.initial, *rows]).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+def _model_id(machine: str, model: object) -> str:
+    if machine == "job":
+        return str(getattr(model, "job_id", "?"))
+    if machine == "slot":
+        key = getattr(model, "key", b"")
+        return key.hex() if isinstance(key, bytes) else str(key)
+    if machine == "request":
+        ctx = getattr(model, "ctx", None)
+        return str(getattr(ctx, "req_id", "?"))
+    return machine
+
+
+class TraceRecorder:
+    """Write every transition as NDJSON while started; use as a context manager.
+
+    ``sink`` is a path (opened, written, closed by the recorder) or an open text stream. ``clock`` gives
+    the ``t`` field (seconds since start); inject one to make traces reproducible.
+    """
+
+    def __init__(self, sink: str | Path | TextIO, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._path = Path(sink) if isinstance(sink, str | Path) else None
+        self._stream: TextIO | None = None if self._path is not None else sink  # type: ignore[assignment]
+        self._clock = clock
+        self._t0 = 0.0
+        self._seq = 0
+        self._next_inst = 0
+        # id(model) -> (inst, model): the strong reference keeps id() from being reused while tracked.
+        self._insts: dict[int, tuple[int, object]] = {}
+        self._terminal: dict[str, frozenset[str]] = {}
+        self._initial: dict[str, str] = {}
+        self._previous: TransitionTracer | None = None
+        self._installed = False
+        self._lock = threading.Lock()
+        self.records = 0
+
+    # -- lifecycle --
+
+    def start(self) -> TraceRecorder:
+        if self._installed:
+            raise TraceError("the trace recorder is already started; expected one start per recording")
+        for name in MACHINE_NAMES:
+            spec = load_machine(name)
+            self._terminal[name] = spec.terminal
+            self._initial[name] = spec.initial
+        if self._path is not None:
+            self._stream = self._path.open("w", encoding="utf-8")
+        self._t0 = self._clock()
+        header = {
+            "kvfsm_trace": TRACE_VERSION,
+            "spec": {name: spec_fingerprint(name) for name in MACHINE_NAMES},
+            "clock": getattr(self._clock, "__name__", "clock"),
+        }
+        self._write(header)
+        self._previous = set_tracer(self)
+        self._installed = True
+        return self
+
+    def stop(self) -> None:
+        if not self._installed:
+            return
+        set_tracer(self._previous)
+        self._previous = None
+        self._installed = False
+        self._insts.clear()
+        if self._stream is not None:
+            self._stream.flush()
+            if self._path is not None:
+                self._stream.close()
+                self._stream = None
+
+    def __enter__(self) -> TraceRecorder:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def scope(self, name: str) -> None:
+        """Start a new scope: later records belong to an independent system named ``name``."""
+        with self._lock:
+            self._write({"scope": name})
+
+    # -- the tracer --
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        if self._stream is None:
+            raise TraceError("the trace recorder has no open stream; call start() first")
+        self._stream.write(json.dumps(obj, separators=(",", ":")))
+        self._stream.write("\n")
+
+    def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
+        with self._lock:
+            key = id(model)
+            known = self._insts.get(key)
+            first = known is None or known[1] is not model
+            if first:
+                inst = self._next_inst
+                self._next_inst += 1
+                self._insts[key] = (inst, model)
+            else:
+                assert known is not None
+                inst = known[0]
+            rec: dict[str, Any] = {
+                "seq": self._seq,
+                "t": round(self._clock() - self._t0, 9),
+                "machine": machine,
+                "id": _model_id(machine, model),
+                "inst": inst,
+                "event": event,
+                "from": source,
+                "to": dest,
+            }
+            self._seq += 1
+            self._extra(machine, model, rec, first)
+            self._write(rec)
+            self.records += 1
+            if dest in self._terminal.get(machine, ()) or (machine == "slot" and dest == self._initial["slot"]):
+                del self._insts[key]  # a slot back to absent is a discarded object
+        if self._previous is not None:
+            self._previous(machine, model, event, source, dest)
+
+    @staticmethod
+    def _extra(machine: str, model: object, rec: dict[str, Any], first: bool) -> None:
+        get = getattr
+        if machine == "job":
+            if first:
+                kind = get(model, "kind", None)
+                rec["kind"] = str(get(kind, "value", kind))
+                rec["req"] = get(model, "req_id", None)
+                rec["W"] = get(model, "world_size", None)
+                rec["keys"] = [k.hex() for k in get(model, "keys", ())]
+            rec["pending"] = get(model, "pending", None)
+            rec["failed"] = get(model, "failed_reports", None)
+        elif machine == "slot":
+            rec["readers"] = get(model, "readers", None)
+        elif machine == "engine":
+            pending = get(model, "has_pending_push_work", None)
+            if callable(pending):
+                rec["pending"] = bool(pending())
+
+
+# ---------------------------------------------------------------------------- reading and verifying
+
+
+@dataclass(frozen=True, slots=True)
+class TraceViolation:
+    line: int
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: [{self.rule}] {self.detail}"
+
+
+@dataclass(slots=True)
+class TraceReport:
+    records: int = 0
+    models: Counter[str] = field(default_factory=Counter)
+    transitions: Counter[str] = field(default_factory=Counter)
+    scopes: int = 0
+    violations: list[TraceViolation] = field(default_factory=list)
+    num_violations: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.num_violations == 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "records": self.records,
+            "models": dict(self.models),
+            "scopes": self.scopes,
+            "violations": self.num_violations,
+            "first_violations": [str(v) for v in self.violations],
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        models = ", ".join(f"{n} {m}s" for m, n in sorted(self.models.items()))
+        head = (
+            f"{self.records} transitions of {models or 'no models'}"
+            f"{f' in {self.scopes} scopes' if self.scopes > 1 else ''}: "
+        )
+        if self.ok:
+            return head + "a valid behaviour of the spec"
+        shown = "\n".join(f"  {v}" for v in self.violations)
+        more = self.num_violations - len(self.violations)
+        return head + f"{self.num_violations} violation(s)\n{shown}" + (f"\n  ... and {more} more" if more else "")
+
+
+@dataclass(slots=True)
+class _Model:
+    machine: str
+    scope: int
+    id: str
+    state: str
+    # job
+    kind: str = ""
+    req: str = ""
+    world_size: int = 0
+    keys: tuple[str, ...] = ()
+    launches: int = 0
+    pending: int | None = None
+    # slot
+    readers: int = 0
+
+
+def read_trace(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+    """``(line number, object or None, error)`` for every non-blank line."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield lineno, None, f"not valid JSON ({exc.msg})"
+            continue
+        if not isinstance(obj, dict):
+            yield lineno, None, f"a JSON {type(obj).__name__}, expected an object"
+            continue
+        yield lineno, obj, ""
+
+
+class _Verifier:
+    _STR_FIELDS = ("machine", "id", "event", "from", "to")
+
+    def __init__(self, report: TraceReport) -> None:
+        self.report = report
+        self.specs: dict[str, MachineSpec] = {name: load_machine(name) for name in MACHINE_NAMES}
+        self.edges: dict[str, set[tuple[str, str, str]]] = {
+            name: {(t.source, t.event, t.dest) for t in spec.transitions} for name, spec in self.specs.items()
+        }
+        self.models: dict[int, _Model] = {}
+        self.scope = 0
+        self.last_seq: int | None = None
+        self.last_t: float | None = None
+        self.header_seen = False
+        # per scope
+        self.live_jobs: dict[int, set[int]] = {}  # scope -> live job insts
+        self.job_ids: dict[tuple[int, str, str], int] = {}  # (scope, namespace, id) -> inst
+        self.committable: dict[int, Counter[str]] = {}  # scope -> keys of just-completed writers
+        self.loading: dict[tuple[int, str], int] = {}  # (scope, key) -> load job inst
+
+    def violation(self, line: int, rule: str, detail: str) -> None:
+        self.report.num_violations += 1
+        if len(self.report.violations) < _MAX_KEPT:
+            self.report.violations.append(TraceViolation(line, rule, detail))
+
+    # -- records --
+
+    def header(self, line: int, obj: dict[str, Any]) -> None:
+        if self.header_seen or self.report.records:
+            self.violation(line, "format", "a header after the first record")
+        self.header_seen = True
+        if obj.get("kvfsm_trace") != TRACE_VERSION:
+            self.violation(line, "format", f"trace version {obj.get('kvfsm_trace')!r}; expected {TRACE_VERSION}")
+        spec = obj.get("spec")
+        if isinstance(spec, dict):
+            for name in MACHINE_NAMES:
+                if name in spec and spec[name] != spec_fingerprint(name):
+                    self.report.notes.append(
+                        f"the {name} table differs from the one the trace was recorded against "
+                        f"({spec[name]} vs {spec_fingerprint(name)}); checked against the current spec"
+                    )
+
+    def record(self, line: int, obj: dict[str, Any]) -> None:
+        if "kvfsm_trace" in obj:
+            self.header(line, obj)
+            return
+        if "scope" in obj:
+            self.scope += 1
+            self.report.scopes = max(self.report.scopes, self.scope)
+            return
+        missing = [f for f in (*self._STR_FIELDS, "seq", "t", "inst") if f not in obj]
+        if missing:
+            self.violation(line, "format", f"missing field(s) {missing}")
+            return
+        bad = [f for f in self._STR_FIELDS if not isinstance(obj[f], str)]
+        if bad or not _is_int(obj["seq"]) or not _is_int(obj["inst"]) or not isinstance(obj["t"], int | float):
+            self.violation(line, "format", f"wrong field types in {obj!r}")
+            return
+        self.report.records += 1
+        seq, t = obj["seq"], float(obj["t"])
+        if self.last_seq is not None and seq <= self.last_seq:
+            self.violation(line, "format", f"seq {seq} after {self.last_seq}; expected increasing sequence numbers")
+        if self.last_t is not None and t < self.last_t:
+            self.violation(line, "format", f"time {t} after {self.last_t}; expected non-decreasing times")
+        self.last_seq, self.last_t = seq, t
+        machine, event, src, dst = obj["machine"], obj["event"], obj["from"], obj["to"]
+        spec = self.specs.get(machine)
+        if spec is None:
+            self.violation(line, "format", f"unknown machine {machine!r}; expected one of {list(MACHINE_NAMES)}")
+            return
+        for what, name in (("state", src), ("state", dst)):
+            if name not in spec.states:
+                self.violation(line, "format", f"{machine} has no {what} {name!r}")
+                return
+        if event not in spec.events:
+            self.violation(line, "format", f"{machine} has no event {event!r}")
+            return
+        self.report.transitions[f"{machine}.{event}"] += 1
+        inst = obj["inst"]
+        model = self.models.get(inst)
+        label = f"{machine} {obj['id']!r} (inst {inst})"
+        if model is None:
+            model = _Model(machine, self.scope, obj["id"], spec.initial)
+            self.models[inst] = model
+            self.report.models[machine] += 1
+            if src != spec.initial:
+                self.violation(
+                    line, "sequence", f"{label} first appears in {src!r}; expected the initial state {spec.initial!r}"
+                )
+                model.state = src
+            self.first_seen(line, model, obj, label)
+        elif model.machine != machine:
+            self.violation(line, "sequence", f"inst {inst} was a {model.machine}, now a {machine}")
+            return
+        elif src != model.state:
+            self.violation(line, "sequence", f"{label}: transition from {src!r} but the model is in {model.state!r}")
+            model.state = src
+        if src in spec.terminal:
+            self.violation(line, "transition", f"{label}: {event!r} after the terminal state {src!r}")
+        elif (src, event, dst) not in self.edges[machine]:
+            self.violation(
+                line, "transition", f"{label}: {src} --{event}--> {dst} is not a transition of spec/{machine}.toml"
+            )
+        self.check(line, model, obj, label, event, src, dst)
+        model.state = dst
+
+    # -- per machine --
+
+    def first_seen(self, line: int, m: _Model, obj: dict[str, Any], label: str) -> None:
+        if m.machine != "job":
+            return
+        m.kind = str(obj.get("kind", ""))
+        m.req = str(obj.get("req", ""))
+        w = obj.get("W")
+        m.world_size = w if _is_int(w) and w > 0 else 0
+        keys = obj.get("keys")
+        m.keys = tuple(k for k in keys if isinstance(k, str)) if isinstance(keys, list) else ()
+        namespace = "tier" if m.kind in ("cascade", "promote") else "scheduler"
+        id_key = (m.scope, namespace, m.id)
+        inst = obj["inst"]
+        if id_key in self.job_ids and self.job_ids[id_key] != inst:
+            self.violation(line, "complete_exactly_once", f"{label}: {namespace} job id {m.id} reused in one scope")
+        self.job_ids[id_key] = inst
+        live = self.live_jobs.setdefault(m.scope, set())
+        if m.kind in ("load", "store") and m.req:
+            mine = [
+                self.models[i] for i in live if self.models[i].req == m.req and self.models[i].kind in ("load", "store")
+            ]
+            loads = sum(1 for j in mine if j.kind == "load") + (m.kind == "load")
+            if loads > 1 or (loads == 1 and mine):
+                kinds = sorted([j.kind for j in mine] + [m.kind])
+                self.violation(line, "one_load_per_request", f"{label}: request {m.req!r} has live jobs {kinds}")
+        if m.kind == "load":
+            for key in m.keys:
+                other = self.loading.get((m.scope, key))
+                if other is not None:
+                    self.violation(
+                        line, "single_loader_per_chunk", f"{label}: key {key[:16]} is already loaded by inst {other}"
+                    )
+                self.loading[(m.scope, key)] = inst
+        live.add(inst)
+
+    def check(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str, dst: str) -> None:
+        if m.machine == "job":
+            self.check_job(line, m, obj, label, event, src, dst)
+        elif m.machine == "slot":
+            self.check_slot(line, m, obj, label, event, dst)
+        elif m.machine == "engine":
+            self.check_engine(line, m, obj, label, event, dst)
+        elif m.machine == "request":
+            self.check_request(line, m, label, event, src)
+
+    def check_job(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str, dst: str) -> None:
+        pending, failed = obj.get("pending"), obj.get("failed")
+        if _is_int(pending):
+            if m.pending is None and m.world_size and pending != m.world_size:
+                self.violation(line, "guard", f"{label}: first seen with pending={pending}; expected W={m.world_size}")
+            elif m.pending is not None and pending > m.pending:
+                self.violation(line, "guard", f"{label}: pending grew from {m.pending} to {pending}")
+            m.pending = pending
+        if event == "launch":
+            m.launches += 1
+            if m.world_size and m.launches > m.world_size:
+                self.violation(
+                    line, "guard", f"{label}: launch #{m.launches} but W={m.world_size} (worker_not_launched)"
+                )
+        if dst == "complete":
+            if m.world_size and m.launches != m.world_size:
+                self.violation(line, "guard", f"{label}: committed after {m.launches} of W={m.world_size} launches")
+            if _is_int(failed) and failed != 0:
+                self.violation(
+                    line, "guard", f"{label}: ack to complete after {failed} failure report(s) (last_ack_clean)"
+                )
+            if m.kind in ("store", "promote"):
+                self.committable.setdefault(m.scope, Counter()).update(m.keys)
+        if event == "ack" and dst == "failed" and _is_int(failed) and failed == 0:
+            self.violation(line, "guard", f"{label}: ack to failed without a failure report (last_ack_after_failure)")
+        specs = self.specs["job"]
+        if dst in specs.terminal:
+            self.live_jobs.get(m.scope, set()).discard(obj["inst"])
+            if m.kind == "load":
+                for key in m.keys:
+                    if self.loading.get((m.scope, key)) == obj["inst"]:
+                        del self.loading[(m.scope, key)]
+
+    def check_slot(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, dst: str) -> None:
+        readers = obj.get("readers")
+        if _is_int(readers) and readers != m.readers:
+            self.violation(line, "guard", f"{label}: the model has {readers} reader(s); the trace implies {m.readers}")
+        if event == "begin_read":
+            m.readers += 1
+        elif event == "end_read":
+            if dst == "reading" and m.readers <= 1:
+                self.violation(line, "guard", f"{label}: end_read stays reading with {m.readers} reader(s)")
+            if dst == "ready" and m.readers != 1:
+                self.violation(line, "guard", f"{label}: end_read to ready with {m.readers} reader(s) (last_reader)")
+            m.readers = max(0, m.readers - 1)
+        elif dst == "absent":
+            m.readers = 0
+        if event == "commit_write":
+            pool = self.committable.setdefault(m.scope, Counter())
+            if pool[m.id] > 0:
+                pool[m.id] -= 1
+            else:
+                self.violation(
+                    line,
+                    "readable_only_after_commit",
+                    f"{label}: committed with no completed store or promotion of its key",
+                )
+
+    def check_engine(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, dst: str) -> None:
+        pending = obj.get("pending")
+        if isinstance(pending, bool):
+            if dst == "draining" and not pending:
+                self.violation(line, "guard", f"{label}: settled to draining without pending push work")
+            if dst in ("idle", "stopped") and pending:
+                self.violation(line, "idle_only_when_nothing_pending", f"{label}: {dst} with pending push work")
+        if dst in ("idle", "stopped"):
+            live = self.live_jobs.get(m.scope, set())
+            if live:
+                first = self.models[min(live)]
+                self.violation(
+                    line,
+                    "pending_work_covers_jobs",
+                    f"{label}: {dst} while {len(live)} job(s) are live (e.g. {first.kind} job {first.id} "
+                    f"in {first.state})",
+                )
+
+    def check_request(self, line: int, m: _Model, label: str, event: str, src: str) -> None:
+        guarded = event == "delete" or (event in ("schedule", "start_load") and src != "loading")
+        if not guarded:
+            return
+        live = self.live_jobs.get(m.scope, set())
+        mine = [self.models[i] for i in live if self.models[i].req == m.id and self.models[i].kind in ("load", "store")]
+        if mine:
+            self.violation(
+                line,
+                "guard",
+                f"{label}: {event} with {len(mine)} live job(s) (no_jobs), e.g. {mine[0].kind} {mine[0].id}",
+            )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def verify_trace(lines: Iterable[str]) -> TraceReport:
+    """Check a recorded trace (its lines) against the spec; never raises on bad content."""
+    report = TraceReport()
+    verifier = _Verifier(report)
+    for lineno, obj, error in read_trace(lines):
+        if obj is None:
+            verifier.violation(lineno, "format", error)
+            continue
+        verifier.record(lineno, obj)
+    if not verifier.header_seen:
+        report.notes.append("no header line: the spec version the trace was recorded against is unknown")
+    return report
+
+
+def verify_trace_file(path: str | Path) -> TraceReport:
+    """:func:`verify_trace` over a file; TraceError if it cannot be read."""
+    p = Path(path)
+    try:
+        with p.open(encoding="utf-8") as fh:
+            return verify_trace(fh)
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {p}: {exc.strerror or exc}; expected an NDJSON file") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"trace {p} is not UTF-8 text ({exc.reason}); expected an NDJSON file") from exc

@@ -1,0 +1,190 @@
+"""Crash safety: a child process writing blocks through the file-system tier is killed with SIGKILL
+mid-write, 20 times. On restart no partial block is visible and every block the child saw committed is
+served with identical bytes.
+
+Three kinds of kill point, so that every stage of a write is hit for certain, not by luck:
+
+- ``mid-write``: the child's write of one block stops after half its bytes (a patched ``os.write``), says
+  so, and is killed there: a partial temporary file is on disk.
+- ``before-replace``: the temporary file is complete but not renamed yet (a HANG fault on
+  ``fs.replace``).
+- ``random``: the child writes blocks in a loop and is killed right after it reported the n-th one, while
+  it is somewhere in the next write.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import pytest
+from tier_support import GUARD_S, SLOT_BYTES, fs_rig, temp_files
+
+import kvfsm
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+
+BLOCK_DATA = """
+import hashlib
+
+
+def block_key(i: int) -> bytes:
+    return b"crash-key-" + i.to_bytes(8, "big")
+
+
+def block_data(i: int, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        out += hashlib.blake2b(b"crash-%d-%d" % (i, len(out)), digest_size=64).digest()
+    return out[:n]
+"""
+
+CHILD = (
+    BLOCK_DATA
+    + """
+import os
+import sys
+import threading
+
+import kvfsm.tiers.blockfile as blockfile
+from kvfsm.control.manager import TierJob
+from kvfsm.faults import FaultKind, FaultPlan, FaultRule
+from kvfsm.tiers.fs import FileSystemTier
+from kvfsm.tiers.slotio import DictSlotIO
+
+root, mode, stop_at, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+
+def say(msg):
+    sys.stdout.write(msg + "\\n")
+    sys.stdout.flush()
+
+
+plan = None
+if mode == "before-replace":
+    plan = FaultPlan([FaultRule("fs.replace", FaultKind.HANG, after=stop_at)])
+if mode == "mid-write":
+    real_write = os.write
+    writes = [0]
+
+    class PatchedOs:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, buf):
+            writes[0] += 1
+            if writes[0] > stop_at:
+                real_write(fd, bytes(buf[: len(buf) // 2]))
+                say("at mid-write")
+                threading.Event().wait()  # killed here, half the block on disk
+            return real_write(fd, buf)
+
+    blockfile.os = PatchedOs()
+
+io = DictSlotIO(nbytes)
+tier = FileSystemTier(root, slot_io=io, faults=plan, read_threads=1, write_threads=1, scan=False)
+i = 0
+while True:
+    io.data[i] = block_data(i, nbytes)
+    tier.submit_store(TierJob(i, (block_key(i),), (i,), False, "child"))
+    if mode == "before-replace" and i == stop_at:
+        plan.wait_for_hangs(1, 60)
+        say("at before-replace")
+        threading.Event().wait()
+    tier.wait_idle()
+    (result,) = tier.get_finished_jobs()
+    assert result.success, result
+    say(f"done {i}")
+    i += 1
+"""
+)
+
+_ns: dict[str, object] = {}
+exec(BLOCK_DATA, _ns)
+block_key = cast(Callable[[int], bytes], _ns["block_key"])
+block_data = cast(Callable[[int, int], bytes], _ns["block_data"])
+
+CASES = (
+    [("mid-write", n) for n in range(7)]
+    + [("before-replace", n) for n in range(6)]
+    + [("random", n) for n in range(1, 8)]
+)
+
+
+def _kill_child(root: Path, mode: str, stop_at: int) -> list[int]:
+    """Run the child until its kill point, SIGKILL it, reap it; returns the blocks it saw committed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(kvfsm.__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(root), mode, str(stop_at), str(SLOT_BYTES)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.strip())
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    done: list[int] = []
+    try:
+        while True:
+            line = lines.get(timeout=GUARD_S)
+            if line is None:
+                stderr = proc.stderr.read() if proc.stderr is not None else ""
+                raise AssertionError(f"the child exited before its kill point: {stderr}")
+            if line.startswith("done "):
+                done.append(int(line.split()[1]))
+                if mode == "random" and len(done) == stop_at:
+                    break  # it is already writing the next block
+            elif line.startswith("at "):
+                break
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(GUARD_S)  # reaped: its pid is dead, so its temporary files count as stray
+        reader.join(GUARD_S)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    return done
+
+
+@pytest.mark.parametrize(("mode", "stop_at"), CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
+    tmp_path: Path, mode: str, stop_at: int
+) -> None:
+    done = _kill_child(tmp_path, mode, stop_at)
+    assert done == list(range(len(done)))
+    if mode != "random":
+        assert len(done) == stop_at
+        assert temp_files(tmp_path), "the kill was meant to land with a temporary file on disk"
+    rig = fs_rig(tmp_path, num_slots=4)
+    try:
+        stats = rig.tier.stats()
+        assert temp_files(tmp_path) == []  # the dead writer's temporary file was removed
+        assert stats["bad_files_removed"] == 0  # no partial block file was ever visible
+        for i in done:
+            assert rig.read_through(block_key(i)) == block_data(i, SLOT_BYTES), f"committed block {i} lost"
+        in_progress = rig.read_through(block_key(len(done)))
+        if mode == "random":
+            # Killed after its rename, the block is whole; before it, absent. Never partial.
+            assert in_progress in (None, block_data(len(done), SLOT_BYTES))
+        else:
+            assert in_progress is None
+        assert stats["scan_entries"] >= len(done)
+    finally:
+        rig.shutdown()

@@ -1,0 +1,126 @@
+"""Model-based tests generated from the model checker's graph, run against the real implementation.
+
+For every edge of the explored abstract graph, a copy of the real control plane (OffloadingScheduler,
+CPUOffloadingManager, a TieringManager with a loopback tier, loopback workers, the engine machine) in the
+edge's source state takes the edge's event, and its abstraction must equal the model's target state. In
+every reachable state, every event the spec disables is applied through the implementation's own entry
+points: it must raise a typed KvfsmError and change nothing. No torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfsm.check import Bounds, Model, explore
+from kvfsm.check.model import State
+from kvfsm.check.replay import Harness, ReplayReport, abstract, disabled_events, probe_state, replay_edges
+from kvfsm.control.job import Job
+from kvfsm.control.scheduler import OffloadingScheduler, SchedulerOutput
+from kvfsm.states import SlotEvent
+
+#: W = 2 with a tier, a reset and a preemption; and two prompts of two chunks with eviction (LRU order).
+CI_BOUNDS = {
+    "w2-tier-reset-preempt": Bounds(
+        requests=2, prompts=1, chunks=1, workers=2, slots=1, groups=1, tiers=1, resets=1, preemptions=1
+    ),
+    "two-prompts-eviction": Bounds(
+        requests=2, prompts=2, chunks=2, workers=2, slots=2, groups=2, tiers=0, resets=0, preemptions=0
+    ),
+}
+
+#: Filled by the tests, printed at the end of the session by the summary test.
+NUMBERS: dict[str, ReplayReport] = {}
+
+
+@pytest.mark.parametrize("name", sorted(CI_BOUNDS))
+def test_every_edge_replays_and_every_disabled_event_is_refused(name: str) -> None:
+    bounds = CI_BOUNDS[name]
+    result = explore(bounds)
+    assert result.ok and result.graph is not None
+    report = replay_edges(result)
+    NUMBERS[name] = report
+    assert not report.mismatches, "\n\n".join(str(m) for m in report.mismatches)
+    assert not report.probe_failures, "\n".join(report.probe_failures[:20])
+    assert report.states == result.states
+    assert report.edges_replayed == result.edges
+    assert report.probes > 10 * result.states
+    print(
+        f"\n{name}: {result.states} states, {report.edges_replayed} edges replayed, {report.probes} negative "
+        f"probes in {report.seconds:.1f} s"
+    )
+
+
+def test_the_initial_harness_is_the_initial_model_state() -> None:
+    bounds = CI_BOUNDS["two-prompts-eviction"]
+    model = Model(bounds)
+    state, refs = abstract(Harness(bounds), model)
+    assert state == model.canonical(model.initial)
+    assert refs.reqs == [] and refs.jobs == []
+
+
+def test_edge_replay_catches_a_model_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison is not vacuous: a model that commits a store's keys in reverse order (so LRU order
+    differs from the implementation's) is caught."""
+    import kvfsm.check.model as mm
+
+    def reversed_commit(self: Model, w: mm._World, keys: tuple[int, ...], success: bool) -> None:
+        writing = [k for k in dict.fromkeys(keys) if w.slots[k] == mm.WRITING]
+        for key in reversed(writing):
+            w.slots[key] = self.slot_event(mm.WRITING, SlotEvent.COMMIT_WRITE if success else SlotEvent.ABORT_WRITE)
+            if success:
+                w.lru.append(key)
+
+    monkeypatch.setattr(Model, "_complete_store", reversed_commit)
+    bounds = Bounds(requests=1, prompts=1, chunks=2, workers=1, slots=2, groups=1, tiers=0, resets=0, preemptions=0)
+    result = explore(bounds)
+    report = replay_edges(result, probes=False, max_mismatches=1)
+    assert report.mismatches and "after" in str(report.mismatches[0])
+
+
+def _state_with_a_job(bounds: Bounds) -> tuple[Harness, Model, State]:
+    h = Harness(bounds)
+    h.arrive(0)
+    h.lookup("r0")
+    h.step()
+    model = Model(bounds)
+    state, _ = abstract(h, model)
+    return h, model, state
+
+
+def test_probes_catch_an_operation_that_changes_state_before_it_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the up-front check of build_connector_meta, preempting a request that is not running
+    raised only after the step had started (a finding of these probes, since fixed)."""
+    bounds = CI_BOUNDS["w2-tier-reset-preempt"]
+    h, model, state = _state_with_a_job(bounds)
+    h.finish("r0")
+    state, refs = abstract(h, model)
+    failures, count = probe_state(h, model, state, refs)
+    assert count > 0 and failures == []
+    monkeypatch.setattr(OffloadingScheduler, "_check_step", lambda self, output: None)
+    failures, _ = probe_state(h, model, state, refs)
+    assert any("build_connector_meta(preempted=r0)" in f and "changed the state" in f for f in failures), failures
+
+
+def test_probes_catch_an_accepted_disabled_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    bounds = CI_BOUNDS["w2-tier-reset-preempt"]
+    h, model, state = _state_with_a_job(bounds)
+    _, refs = abstract(h, model)
+    monkeypatch.setattr(Job, "cancel", lambda self: None)
+    failures, _ = probe_state(h, model, state, refs)
+    assert any(f.startswith("cancel job 0") and "accepted" in f for f in failures), failures
+
+
+def test_probes_cover_every_machine() -> None:
+    bounds = CI_BOUNDS["w2-tier-reset-preempt"]
+    h, model, state = _state_with_a_job(bounds)
+    _, refs = abstract(h, model)
+    names = " ".join(what for what, _ in disabled_events(h, state, refs))
+    for needle in ("update_state_after_alloc", "ack job", "launch job", "cancel job", "prepare_load", "engine "):
+        assert needle in names
+    # The batch rule: reset_cache refuses a half-scheduled step.
+    h2 = Harness(bounds)
+    h2.arrive(0)
+    h2.lookup("r0")
+    state2, refs2 = abstract(h2, model)
+    assert "reset_cache() with a step half scheduled" in [w for w, _ in disabled_events(h2, state2, refs2)]
+    h2.sched.build_connector_meta(SchedulerOutput())
