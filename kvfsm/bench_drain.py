@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 FULL_SIZES_MIB: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
-QUICK_SIZES_MIB: tuple[int, ...] = (1, 4, 16)
+QUICK_SIZES_MIB: tuple[int, ...] = (1, 8, 64)
 
 _HEADS, _HEAD_DIM, _LAYERS, _TPB = 8, 64, 8, 16
 

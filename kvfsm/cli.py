@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE")
-    p.add_argument("--only", action="append", metavar="SECTION", help="run only this section (repeatable)")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=("drain", "control", "lifecycle", "transfers", "verification"),
+        help="run only this section (repeatable)",
+    )
     p.add_argument("--workload", metavar="FILE", help="replay this JSONL trace (one list of block ids per line)")
     p.add_argument("--jobs", type=int, default=None, help="jobs per lifecycle run (default 2000, quick 500)")
     p.add_argument("--repeats", type=int, default=None, help="lifecycle repeats (default 5, quick 3)")

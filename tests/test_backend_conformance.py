@@ -534,8 +534,32 @@ def test_index_helpers() -> None:
     # Sorted pool rows -> runs, cut at pinned-range starts (row 8) and into pieces of <= 4 staging rows.
     pieces = _segments(np.array([1, 2, 3, 4, 5, 7, 8, 9], dtype=np.int64), np.array([8], dtype=np.int64), 4)
     assert [(p.lo, p.hi) for p in pieces] == [(0, 4), (4, 8)]
-    assert pieces[0].segments == ((1, 0, 4),)
-    assert pieces[1].segments == ((5, 0, 1), (7, 1, 1), (8, 2, 2))
+    assert pieces[0].segments == ([1], [0], [4])  # (pool rows, staging rows, counts)
+    assert pieces[1].segments == ([5, 7, 8], [0, 1, 2], [1, 1, 2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.sets(st.integers(0, 60), min_size=1, max_size=40),
+    breaks=st.sets(st.integers(0, 60), max_size=4),
+    stage=st.integers(1, 9),
+)
+def test_segments_match_a_reference(rows: set[int], breaks: set[int], stage: int) -> None:
+    """Pieces of <= ``stage`` sorted rows, each cut into runs of consecutive rows that never cross a break."""
+    prows = np.array(sorted(rows), dtype=np.int64)
+    pieces = _segments(prows, np.array(sorted(breaks), dtype=np.int64), stage)
+    expected: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    for lo in range(0, len(prows), stage):
+        chunk = prows[lo : lo + stage].tolist()
+        segs: list[tuple[int, int, int]] = []
+        for i, r in enumerate(chunk):
+            if segs and r == segs[-1][0] + segs[-1][2] and r not in breaks:
+                segs[-1] = (segs[-1][0], segs[-1][1], segs[-1][2] + 1)
+            else:
+                segs.append((r, i, 1))
+        expected.append((lo, lo + len(chunk), segs))
+    got = [(p.lo, p.hi, list(zip(*p.segments, strict=True))) for p in pieces]
+    assert got == expected
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -664,6 +688,57 @@ def test_pool_pins_in_whole_slot_chunks_and_rolls_back(monkeypatch: pytest.Monke
     assert unregistered == [p for p, _ in registered]  # rolled back
 
 
+@pytest.mark.parametrize("path", ["dma", "runs"])
+@pytest.mark.parametrize("is_store", [True, False])
+def test_host_copies_never_cross_a_pinned_registration(
+    path: str, is_store: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool pinned in chunks of 4 slots: a job over slots 1..8 is copied in runs that each stay inside one
+    registration (a DMA across two is not guaranteed to be a pinned DMA), and still moves every byte."""
+    from kvfsm.data import pool as pool_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pool_mod, "_cuda_register", lambda ptr, n: None)
+    monkeypatch.setattr(pool_mod, "_cuda_unregister", lambda ptrs: None)
+    block = (1024,)  # 4 KiB rows; slot = 2 layers x 2 sub-blocks = 16 KiB; 4 slots = 64 KiB per registration
+    pool = CPUSlotPool(10, 2, block, 2, torch.float32, pin_chunk_bytes=64 << 10)
+    assert pool.pinned and list(pool.pinned_ranges) == [(0, 4), (4, 8), (8, 10)]
+    kv = allocate("stacked", 2, 32, block, torch.float32, "cpu")
+    for i, layer in enumerate(kv):
+        random_bytes(layer, i)
+    random_bytes(pool.data, 9)
+    api = EmulatedDevice()
+    copies: list[tuple[int, int, int]] = []
+    real = api.copy_rows
+
+    def recording(dst: torch.Tensor, src: torch.Tensor, runs: tuple[list[int], list[int], list[int]]) -> None:
+        host_rows = runs[0] if dst.data_ptr() == pool.rows.data_ptr() else runs[1]
+        copies.extend(zip(host_rows, runs[2], runs[2], strict=True))
+        real(dst, src, runs)
+
+    monkeypatch.setattr(api, "copy_rows", recording)
+    backend = CudaCopyBackend(kv, pool, 2, copy_path=path, device_api=api)
+    blocks = list(range(4, 20))  # 16 consecutive blocks -> 8 consecutive slots
+    slots = list(range(1, 9))
+    before = pool.data.clone()
+    backend.submit(1, is_store, GPUBlockSpec(tuple(blocks)), SlotSpec(tuple(slots)))
+    backend.wait([1])
+    assert backend.poll() == [(1, True)]
+    rows_per_slot = 4
+    for first, count, _ in copies:
+        last = first + count - 1
+        assert first // (4 * rows_per_slot) == last // (4 * rows_per_slot), f"rows {first}..{last} cross a boundary"
+    assert len(copies) >= 3  # slots 1-3, 4-7, 8 at least
+    for i, b in enumerate(blocks):
+        for j in range(2):
+            if is_store:
+                assert torch.equal(raw(pool.data[slots[i // 2], j, i % 2]), raw(kv[j][b]))
+            else:
+                assert torch.equal(raw(kv[j][b]), raw(before[slots[i // 2], j, i % 2]))
+    backend.shutdown()
+    pool.close()  # while registration is still faked
+
+
 # ---------------------------------------------------------------------------------------------- state machine
 
 
@@ -716,3 +791,24 @@ TestEmulatedCudaBackendMachine = _EmulatedCudaMachine.TestCase
 TestEmulatedCudaBackendMachine.settings = _MACHINE_SETTINGS
 TestCudaBackendMachine = needs_cuda(_CudaMachine.TestCase)
 TestCudaBackendMachine.settings = _MACHINE_SETTINGS
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+
+def test_transfer_bench_smoke() -> None:
+    from kvfsm.data.bench_transfers import format_table, run_transfer_bench
+
+    rows = run_transfer_bench(True, backends=["cpu"], sizes=(16 << 10, 64 << 10), repeats=1, total_bytes=1 << 19)
+    assert [(r["direction"], r["block_bytes"]) for r in rows] == [
+        ("store", 16 << 10),
+        ("load", 16 << 10),
+        ("store", 64 << 10),
+        ("load", 64 << 10),
+    ]
+    for r in rows:
+        assert r["backend"] == "cpu" and r["blocks"] == (1 << 19) // int(r["block_bytes"])  # type: ignore[call-overload]
+        assert float(r["gbps"]) > 0 and float(r["ratio"]) > 0  # type: ignore[arg-type]
+        assert r["goal"] in (">= 0.5x", ">= 0.8x") and isinstance(r["met"], bool)
+    table = format_table(rows)
+    assert "contig GB/s" in table and len(table.splitlines()) == 2 + len(rows)

@@ -594,7 +594,7 @@ class OffloadingScheduler:
         st.next_stored_chunk = storable
         if not prepared.keys_to_store:
             return
-        if len(prepared.keys_to_store) == len(candidates):
+        if prepared.keys_to_store == tuple(candidates):
             # Every candidate is new (the common case): its blocks are one contiguous run.
             blocks = st.block_ids[start * bpc : storable * bpc]
         else:

@@ -29,6 +29,7 @@ import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend, copy_executor
+from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.pool import CPUSlotPool
 
 __all__ = ["BLOCK_SIZES", "format_table", "main", "run_transfer_bench"]
@@ -79,9 +80,11 @@ class _Rig:
         self.block_bytes = block_bytes
         self.count = count
         self.nbytes = block_bytes * count
-        device = torch.device("cuda" if backend == "cuda" else "cpu")
         elems = block_bytes // 2
-        self.kv = torch.empty((count, elems), dtype=torch.float16, device=device)
+        if backend == "cuda":
+            self.kv = torch.empty((count, elems), dtype=torch.float16, device="cuda")
+        else:  # host memory allocated like the CPU engine's KV caches (allocate_kv_caches): on huge pages
+            self.kv = host_buffer(self.nbytes).view(torch.float16).view(count, elems)
         self.kv.view(torch.int16).random_(-(1 << 15), 1 << 15)
         self.pool = CPUSlotPool(count, 1, (elems,), 1, torch.float16)
         gen = torch.Generator().manual_seed(seed)

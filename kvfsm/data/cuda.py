@@ -75,6 +75,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CUDA_COPY_PATHS = ("dma", "runs", "kernel")
+
+#: Row-range copies as three parallel lists: destination rows, source rows, row counts.
+Runs = tuple[list[int], list[int], list[int]]
 KERNEL_PATH_ENV = "KVFSM_CUDA_KERNEL_COPY"
 CTYPES_MEMCPY_ENV = "KVFSM_CUDA_CTYPES_MEMCPY"
 #: Device staging per direction (the dma path); a job larger than this is copied in pieces on its stream.
@@ -139,9 +142,9 @@ class DeviceAPI(Protocol):
         """``t``'s memory is not reused before the work queued on ``stream`` when it is freed has run."""
         ...
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
-        """Asynchronous copies of row ranges ``(dst row, src row, rows)`` between two row tensors (rows on
-        dim 0, one of them pinned host memory), on the current stream (call inside ``launch``)."""
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
+        """Asynchronous copies of row ranges between two row tensors (rows on dim 0, one of them pinned host
+        memory): ``runs`` is ``(dst rows, src rows, counts)``, on the current stream (call inside ``launch``)."""
         ...
 
 
@@ -280,10 +283,11 @@ class CudaDevice:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
         memcpy = _memcpy_async()
+        d_rows, s_rows, counts = runs
         if memcpy is None or not (dst.is_contiguous() and src.is_contiguous()) or dst.dtype != src.dtype:
-            for d0, s0, n in runs:
+            for d0, s0, n in zip(d_rows, s_rows, counts, strict=True):
                 dst[d0 : d0 + n].copy_(src[s0 : s0 + n], non_blocking=True)
             return
         # The runtime's cudaMemcpyAsync straight from Python: a few hundred ns per copy instead of the microseconds
@@ -291,8 +295,9 @@ class CudaDevice:
         row = int(src[0].numel()) * src.element_size() if src.shape[0] else 0
         dbase, sbase = dst.data_ptr(), src.data_ptr()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        for d0, s0, n in runs:
-            err = memcpy(dbase + d0 * row, sbase + s0 * row, n * row, _CUDA_MEMCPY_DEFAULT, stream)
+        kind = _CUDA_MEMCPY_DEFAULT
+        for d0, s0, n in zip(d_rows, s_rows, counts, strict=True):
+            err = memcpy(dbase + d0 * row, sbase + s0 * row, n * row, kind, stream)
             if err:
                 raise KvfsmError(f"cudaMemcpyAsync of {n * row} bytes failed with CUDA error {err}")
 
@@ -388,8 +393,8 @@ class EmulatedDevice:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         pass
 
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
-        for d0, s0, n in runs:
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
+        for d0, s0, n in zip(*runs, strict=True):
             dst[d0 : d0 + n].copy_(src[s0 : s0 + n])
 
     # -- test controls --
@@ -450,7 +455,7 @@ class _Piece:
 
     lo: int
     hi: int
-    segments: tuple[tuple[int, int, int], ...]  #: (pool row, staging row, rows) per contiguous run of pool rows
+    segments: Runs  #: (pool rows, staging rows, counts) of the contiguous runs of pool rows
 
 
 def _segments(prows: IndexArray, breaks: IndexArray, stage_rows: int) -> list[_Piece]:
@@ -470,7 +475,7 @@ def _segments(prows: IndexArray, breaks: IndexArray, stage_rows: int) -> list[_P
     for k in range(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]
         lo = k * stage_rows
-        segs = tuple(zip(first_rows[a:b].tolist(), (starts[a:b] - lo).tolist(), sizes[a:b].tolist(), strict=True))
+        segs = (first_rows[a:b].tolist(), (starts[a:b] - lo).tolist(), sizes[a:b].tolist())
         pieces.append(_Piece(lo, min(n, lo + stage_rows), segs))
     return pieces
 
@@ -755,10 +760,11 @@ class CudaCopyBackend:
         k, p = krows[order], prows[order]
         brk = (np.diff(k) != 1) | (np.diff(p) != 1) | np.isin(p[1:], self._pin_breaks)
         starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(brk) + 1))
-        sizes = np.diff(np.concatenate((starts, np.array([k.shape[0]], dtype=np.int64))))
+        ends = np.concatenate((starts[1:], np.array([k.shape[0]], dtype=np.int64)))
+        sizes: IndexArray = (ends - starts).astype(np.int64)
         k0 = k[starts]
         if group.stacked is not None:
-            return np.full(starts.shape, -1, dtype=np.int64), k0, p[starts], sizes
+            return np.zeros_like(starts) - 1, k0, p[starts], sizes
         return k0 // width, k0 % width, p[starts], sizes
 
     def _prepare(self, plan: JobPlan, paths: list[str]) -> Callable[[], None]:
@@ -811,7 +817,7 @@ class CudaCopyBackend:
             def step(
                 m: int = m,
                 kv_moves: list[tuple[torch.Tensor, int, int | None]] = kv_moves,
-                segs: tuple[tuple[int, int, int], ...] = segs,
+                segs: Runs = segs,
             ) -> None:
                 buf = stage[:m]
                 if store:
@@ -822,7 +828,7 @@ class CudaCopyBackend:
                             buf.index_copy_(0, idx[pos], src.index_select(0, idx[rows]))
                     api.copy_rows(pool, buf, segs)
                 else:
-                    api.copy_rows(buf, pool, [(s0, p0, n) for p0, s0, n in segs])
+                    api.copy_rows(buf, pool, (segs[1], segs[0], segs[2]))
                     for dst, rows, pos in kv_moves:
                         if pos is None:
                             dst.index_copy_(0, idx[rows], buf)
@@ -837,20 +843,20 @@ class CudaCopyBackend:
         pool = self.registration.pool_rows
         stacked = group.stacked
         layer, k0, p0, sizes = self._runs(plan, g)
-        moves: list[tuple[torch.Tensor, list[tuple[int, int, int]]]] = []
+        moves: list[tuple[torch.Tensor, list[int], list[int], list[int]]] = []
         for j in np.unique(layer).tolist():
             sel = layer == j
-            runs = list(zip(k0[sel].tolist(), p0[sel].tolist(), sizes[sel].tolist(), strict=True))
-            moves.append((stacked if stacked is not None else group.layers[j], runs))
+            kv = stacked if stacked is not None else group.layers[j]
+            moves.append((kv, k0[sel].tolist(), p0[sel].tolist(), sizes[sel].tolist()))
         store = plan.is_store
         api = self.api
 
         def step() -> None:
-            for kv, runs in moves:
+            for kv, kr, pr, n in moves:
                 if store:
-                    api.copy_rows(pool, kv, [(p0, k0, n) for k0, p0, n in runs])
+                    api.copy_rows(pool, kv, (pr, kr, n))
                 else:
-                    api.copy_rows(kv, pool, runs)
+                    api.copy_rows(kv, pool, (kr, pr, n))
 
         return step
 

@@ -249,6 +249,9 @@ class ReferenceEngine:
         )
         if meta.jobs_to_flush:
             self.blocking_waits += 1
+        if not plan.scheduled:
+            # A step with no forward (draining): let the copy threads take the GIL. Not a wait.
+            time.sleep(0)
         for w in self.workers:
             w.before_forward(meta)
         self._forward(plan)
