@@ -107,7 +107,7 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
         tokens_per_block=16,
         blocks_per_chunk=2,
         num_gpu_blocks=40,
-        num_cpu_slots=48,
+        num_cpu_slots=16,
         world_size=2,
     )
     t0 = time.perf_counter()
