@@ -425,6 +425,10 @@ class OffloadingScheduler:
             if result is not LookupResult.HIT or keys[idx] in self._chunks_being_loaded:
                 if self._lookup_wait_expired(st.ctx.req_id):
                     self.stats.lookup_wait_timeouts += 1
+                    if result is not LookupResult.HIT:
+                        # Reserving a promotion for this chunk may have evicted an earlier hit of this
+                        # very scan, so none of them is safe to load: compute them all instead.
+                        hits = 0
                     break  # waited long enough: compute the chunk instead
                 must_wait = True
                 break

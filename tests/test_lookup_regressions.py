@@ -1,0 +1,48 @@
+"""Regressions in the lookup path found by the stateful tests."""
+
+from __future__ import annotations
+
+from helpers import FakeRequest, keys_of, tokens
+
+from kvfsm.control.config import OffloadConfig
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.memory_tier import InMemoryTier
+from kvfsm.control.scheduler import OffloadingScheduler
+from kvfsm.control.tiering import TieringManager
+from kvfsm.control.types import ReqContext
+from kvfsm.deadlines import Deadlines, ManualClock
+from kvfsm.states import SlotState
+
+TPB = 4
+
+
+def test_expired_wait_never_loads_a_hit_evicted_by_the_same_scans_promotion() -> None:
+    # Two CPU slots. The scan hits chunk 0; chunk 1 is only in the secondary tier, and reserving its
+    # promotion evicts chunk 0 (the least recently used ready slot). With the lookup wait already expired
+    # the request must not be told to load chunk 0 (prepare_load would find it absent).
+    primary = CPUOffloadingManager(2)
+    tier = InMemoryTier("mem")
+    manager = TieringManager(primary, [tier])
+    clock = ManualClock()
+    sched = OffloadingScheduler(OffloadConfig(TPB), manager, deadlines=Deadlines(lookup_wait_s=1.0), clock=clock)
+    req = FakeRequest("r", tokens("p", 2 * TPB + 1), TPB)
+    k0, k1 = keys_of(req.block_hashes, 1)
+    k2 = b"other-chunk-key-0000"
+    ctx = ReqContext("writer")
+    assert primary.prepare_store([k0], ctx) is not None
+    primary.complete_store([k0], ctx)
+    assert primary.prepare_store([k1], ctx) is not None  # chunk 1's store is still in flight
+
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # waits on chunk 1: the wait starts
+    primary.complete_store([k1], ctx, success=False)  # that store fails; the tier has a copy
+    tier.put(k1)
+    assert primary.prepare_store([k2], ctx) is not None
+    primary.complete_store([k2], ctx)  # k2 is more recent than k0, so k0 is the eviction victim
+    clock.advance(2.0)
+
+    num, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert sched.stats.lookup_wait_timeouts == 1
+    assert primary.slot_state(k0) is SlotState.ABSENT  # evicted by chunk 1's reservation
+    assert num == 0  # so nothing is loaded: the request computes both chunks
+    sched.update_state_after_alloc(req, [0, 1, 2], 0)
+    assert sched.request_jobs("r") == frozenset()
