@@ -249,8 +249,9 @@ class ReferenceEngine:
         )
         if meta.jobs_to_flush:
             self.blocking_waits += 1
-        if not plan.scheduled:
-            # A step with no forward (draining): let the copy threads take the GIL. Not a wait.
+        if not plan.scheduled and self.state is EngineState.DRAINING:
+            # A pure polling step: let the CPU copy threads take the GIL (a yield, not a wait; GPU copies
+            # don't need it). Not in the finishing step, which plans the final stores.
             time.sleep(0)
         for w in self.workers:
             w.before_forward(meta)
