@@ -30,9 +30,9 @@ __all__ = [
     "build_transitions_machine",
     "checked_mode_default",
     "compile_table",
-    "set_tracer",
     "evaluate_table",
     "evaluate_transitions",
+    "set_tracer",
 ]
 
 S = TypeVar("S", bound=StrEnum)

@@ -32,7 +32,8 @@ EXPECTED: dict[str, str] = {
     "evict_reading_slot": r"evict_only_ready_unreferenced|expected reading|wrong bytes|differ from what was stored"
     r"|cannot handle event 'evict'",
     "fence_flush_skipped": r"wrong bytes|differ from what was stored|overwritten",
-    "reset_keeps_stale_threshold": r"stale|which is not awaited|UnknownJobError|has_pending_push_work\(\) is False while",
+    "reset_keeps_stale_threshold": r"stale|which is not awaited|UnknownJobError"
+    r"|has_pending_push_work\(\) is False while",
 }
 
 #: machine name -> bug -> examples until the first failure (filled as the tests run).
@@ -68,7 +69,7 @@ def _counted(base: type[RuleBasedStateMachine]) -> type[RuleBasedStateMachine]:
 
 def _find(machine: type[RuleBasedStateMachine], name: str, steps: int) -> tuple[int, str]:
     counted = _counted(machine)
-    with pytest.raises(Exception) as info:  # noqa: PT011 - any failure; its message is checked below
+    with pytest.raises(Exception) as info:
         run_state_machine_as_test(
             counted,
             settings=settings(

@@ -14,10 +14,11 @@ from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test, rule
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvfsm.testing.control import CONTROL_EXEMPT, ControlPlaneStateMachine
+from kvfsm.testing.control import ControlPlaneStateMachine
 from kvfsm.testing.coverage import SpecCoverageError, TransitionLog, covers, spec_covered, spec_events
+from kvfsm.testing.system import SYSTEM_EXEMPT
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
@@ -51,23 +52,36 @@ def _check_reached(fired: Counter[str], exempt: dict[str, str], claimed: set[str
 
 def test_engine_machine_drives_the_reference_engine_against_the_spec() -> None:
     pytest.importorskip("torch")
-    from kvfsm.testing.engine import ENGINE_EXEMPT, EngineStateMachine
+    from kvfsm.testing.engine import EngineStateMachine
 
-    fired = _run(EngineStateMachine, steps=40, scale=1.0)
+    fired = _run(EngineStateMachine, steps=40, scale=5.0)
     claimed = set(EngineStateMachine.spec_coverage.covered)  # type: ignore[attr-defined]
-    _check_reached(fired, ENGINE_EXEMPT, claimed)
+    _check_reached(fired, SYSTEM_EXEMPT, claimed)
     # The ci profile is deterministic: it must reach every event some rule claims.
     if settings().derandomize:
         assert claimed <= set(fired), f"the ci run never fired {sorted(claimed - set(fired))}"
+
+
+def test_engine_machine_on_cuda() -> None:
+    """The same machine with the KV cache on the GPU (real device copies through the thread-pool backend)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvfsm.testing.engine import EngineStateMachine
+
+    class CudaEngineMachine(EngineStateMachine):
+        device = "cuda"
+
+    _run(CudaEngineMachine, steps=30, scale=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- control
 
 
 def test_control_machine_drives_the_control_plane_against_the_spec() -> None:
-    fired = _run(ControlPlaneStateMachine, steps=50, scale=2.0)
+    fired = _run(ControlPlaneStateMachine, steps=50, scale=10.0)
     claimed = set(ControlPlaneStateMachine.spec_coverage.covered)  # type: ignore[attr-defined]
-    _check_reached(fired, CONTROL_EXEMPT, claimed)
+    _check_reached(fired, SYSTEM_EXEMPT, claimed)
     if settings().derandomize:
         assert claimed <= set(fired), f"the ci run never fired {sorted(claimed - set(fired))}"
 
@@ -129,3 +143,68 @@ def test_covers_on_a_method_that_is_not_a_rule_fails() -> None:
             @rule()
             def go(self) -> None:
                 pass
+
+
+# ---------------------------------------------------------------------------------------------- found bugs
+# Defects the machines found in code outside this issue's scope. Each is pinned by a strict xfail (so
+# fixing it turns the test red until the marker and the machine's workaround are removed).
+
+
+def _tiered_engine(num_cpu_slots: int, *, autocomplete: bool) -> tuple[object, object]:
+    from kvfsm.control.cpu import CPUOffloadingManager
+    from kvfsm.control.memory_tier import InMemoryTier
+    from kvfsm.control.tiering import TieringManager
+    from kvfsm.engine.core import EngineConfig, ReferenceEngine
+
+    tier = InMemoryTier("mem", autocomplete=autocomplete)
+    manager = TieringManager(CPUOffloadingManager(num_cpu_slots), [tier])
+    config = EngineConfig(tokens_per_block=4, num_gpu_blocks=8, num_cpu_slots=num_cpu_slots, device="cpu")
+    return ReferenceEngine(config, manager=manager), tier
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ReferenceEngine.shutdown() without a timeout never drains a tier (SecondaryTier.drain_jobs is "
+    "'used only by reset_cache and shutdown', but neither the engine nor TieringManager.shutdown calls it): "
+    "it spins max_rounds empty steps, then times the cascade out instead of waiting for it",
+)
+def test_unbounded_shutdown_waits_for_tier_jobs() -> None:
+    pytest.importorskip("torch")
+    from kvfsm.control.memory_tier import InMemoryTier
+    from kvfsm.engine.core import ReferenceEngine
+
+    engine, tier = _tiered_engine(8, autocomplete=False)
+    assert isinstance(engine, ReferenceEngine) and isinstance(tier, InMemoryTier)
+    engine.add_request(engine.make_request("a", list(range(9)), 1))
+    engine.step()  # prefill, store planned and launched, request finished
+    engine.wait_for_transfers()
+    engine.step()  # the store commits: its cascade is submitted to the tier, which holds it
+    assert tier.pending_job_ids(), "expected a cascade in flight"
+    engine.shutdown(max_rounds=20)
+    assert not tier.pending_job_ids() and len(tier) == 2, "shutdown did not wait for the cascade"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="promotion livelock: a request whose secondary-tier prefix has more chunks than the CPU primary has "
+    "slots is deferred forever (each promotion evicts a chunk the same lookup hit); without a lookup_wait_s "
+    "deadline nothing breaks the cycle",
+)
+def test_a_prefix_larger_than_the_primary_is_scheduled() -> None:
+    pytest.importorskip("torch")
+    from kvfsm.control.memory_tier import InMemoryTier
+    from kvfsm.control.types import make_offload_key
+    from kvfsm.engine.core import ReferenceEngine
+    from kvfsm.engine.requests import chain_block_hashes
+
+    engine, tier = _tiered_engine(2, autocomplete=True)
+    assert isinstance(engine, ReferenceEngine) and isinstance(tier, InMemoryTier)
+    prompt = list(range(13))  # three full blocks (chunks) and one more token
+    for block_hash in chain_block_hashes(prompt, 4)[:3]:
+        tier.put(make_offload_key(block_hash))  # left by an earlier process, no bytes needed to livelock
+    req = engine.make_request("a", prompt, 1)
+    engine.add_request(req)
+    for _ in range(50):
+        engine.step()
+        engine.wait_for_transfers()
+    assert req.first_scheduled_step is not None, "the request was deferred for 50 steps"

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend, chunk_rows
+from kvfsm.data.backend import CopyBackend, chunk_rows
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.errors import ConfigError
 
@@ -149,19 +149,27 @@ class _Submitted:
     is_store: bool
     gpu: GPUBlockSpec
     slots: SlotSpec
-    #: What the copy must produce: GPU block id -> expected rows (store: the slot rows' new content;
-    #: load: the GPU blocks' new content), per layer.
-    expected: list[torch.Tensor]
+    rows: list[int]
+    #: What the copy must produce, per layer: one tensor per block (store: the slot rows' new content;
+    #: load: the GPU blocks' new content).
+    expected: list[list[torch.Tensor]]
 
 
 class CopyBackendStateMachine(RuleBasedStateMachine):
     """Conformance of a :class:`~kvfsm.data.backend.CopyBackend` (subclass it; see the module docs).
 
-    The machine owns a small KV cache (``num_layers`` layers of ``num_blocks`` blocks) and a
-    :class:`~kvfsm.data.pool.CPUSlotPool`; rules write fresh values into blocks, submit stores and loads
-    between blocks and slots that no other in-flight job touches (the scheduler's rule), poll, wait, and
-    check bytes. Override the class attributes to change the shapes, and :meth:`make_backend` to build the
-    backend under test. ``device`` defaults to CUDA when available.
+    The machine owns a small paged KV cache (``num_layers`` tensors of ``num_blocks`` blocks) and a
+    :class:`~kvfsm.data.pool.CPUSlotPool`. Rules write fresh values into GPU blocks (the forward) and into
+    slots, submit stores and loads over blocks and slots that no other in-flight job touches (the
+    scheduler's guarantee), poll, and wait. Checked: ``check`` rejects impossible jobs and changes nothing;
+    ``submit`` returns a Future; every job is reported by ``poll`` exactly once, and ``wait(ids)`` returns
+    only once those jobs finished; a store copies exactly its blocks into its slot rows and a load exactly
+    its slot rows into its blocks, for any block and slot permutation and chunk offset; nothing else in the
+    pool or the KV cache changes. A job stays "in flight" for the machine until a ``wait`` covers it, so a
+    backend that completes jobs on its own threads cannot make the draws flaky.
+
+    Override :meth:`make_backend` (and the class attributes to change the shapes). ``device`` defaults to
+    CUDA when available.
     """
 
     num_layers: ClassVar[int] = 2
@@ -174,19 +182,23 @@ class CopyBackendStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._backend: CopyBackend | None = None
+        self._pool: CPUSlotPool | None = None
         self._bpc = 1
         self._kv: list[torch.Tensor] = []
-        self._pool: CPUSlotPool | None = None
         self._jobs: dict[int, _Submitted] = {}
-        self._next_id = 0
-        self._counter = 0
         self._reported: set[int] = set()
+        self._problems: list[str] = []
+        self._next_id = 0
+        self._fresh_counter = 0
+        # What every block and row must hold outside the jobs in flight (CPU copies).
+        self._model_kv: list[torch.Tensor] = []
+        self._model_pool: list[torch.Tensor] = []
 
     # -- to override --
 
     def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
-        """The backend under test, over ``kv_caches`` (one tensor per layer) and ``pool``."""
-        return ThreadPoolCopyBackend(kv_caches, pool, blocks_per_chunk, max_workers=2)
+        """The backend under test, copying between ``kv_caches`` (one tensor per layer) and ``pool``."""
+        raise NotImplementedError("subclass CopyBackendStateMachine and implement make_backend(kv, pool, bpc)")
 
     # -- plumbing --
 
@@ -201,35 +213,39 @@ class CopyBackendStateMachine(RuleBasedStateMachine):
         return self._pool
 
     def _fresh(self) -> torch.Tensor:
-        self._counter += 1
-        gen = torch.Generator().manual_seed(self._counter)
-        values = torch.randint(-100, 100, self.block_shape, generator=gen).to(self.dtype)
-        return values
+        self._fresh_counter += 1
+        gen = torch.Generator().manual_seed(self._fresh_counter)
+        return torch.randint(-100, 100, self.block_shape, generator=gen).to(self.dtype)
 
     def _busy_blocks(self) -> set[int]:
         return {b for job in self._jobs.values() for b in job.gpu.block_ids}
 
     def _busy_rows(self) -> set[int]:
-        return {r for job in self._jobs.values() for r in chunk_rows(job.gpu, job.slots, self._bpc)}
+        return {r for job in self._jobs.values() for r in job.rows}
 
-    def _apply(self, results: list[tuple[int, bool]]) -> None:
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [kv.cpu().clone() for kv in self._kv], [flat.clone() for flat in self.pool.flat_layers]
+
+    def _take(self, results: list[tuple[int, bool]]) -> None:
+        """Record reports. Problems are kept, not raised: *when* a backend reports is up to its threads, so
+        they are raised at the next deterministic point (a wait), where the same example always fails."""
         for job_id, ok in results:
-            assert job_id in self._jobs, f"poll reported job {job_id}, which is not in flight (or reported twice)"
-            assert job_id not in self._reported, f"poll reported job {job_id} twice"
-            assert ok, f"copy of job {job_id} failed"
-            job = self._jobs.pop(job_id)
+            if job_id >= self._next_id or job_id < 0:
+                self._problems.append(f"poll reported job {job_id}, which was never submitted")
+            elif job_id in self._reported:
+                self._problems.append(f"poll reported job {job_id} twice")
+            elif not ok:
+                self._problems.append(f"the copy of job {job_id} failed")
             self._reported.add(job_id)
-            self._check_job(job)
 
-    def _check_job(self, job: _Submitted) -> None:
-        rows = chunk_rows(job.gpu, job.slots, self._bpc)
+    def _check_job(self, job_id: int, job: _Submitted) -> None:
         for layer in range(self.num_layers):
-            kv, flat = self._kv[layer], self.pool.flat_layers[layer]
-            for i, (block, row) in enumerate(zip(job.gpu.block_ids, rows, strict=True)):
-                got = flat[row] if job.is_store else kv[block].cpu()
+            kv = self._kv[layer]
+            for i, (block, row) in enumerate(zip(job.gpu.block_ids, job.rows, strict=True)):
+                got = self.pool.block(layer, row) if job.is_store else kv[block].cpu()
                 assert torch.equal(got, job.expected[layer][i]), (
-                    f"{'store' if job.is_store else 'load'}: layer {layer} block {block} <-> row {row} "
-                    "does not hold the copied bytes"
+                    f"job {job_id} ({'store' if job.is_store else 'load'}): layer {layer}, block {block} <-> "
+                    f"pool row {row} does not hold the copied bytes"
                 )
 
     # -- rules --
@@ -243,112 +259,123 @@ class CopyBackendStateMachine(RuleBasedStateMachine):
             for _ in range(self.num_layers)
         ]
         self._pool = CPUSlotPool(self.num_slots, bpc, self.block_shape, self.num_layers, self.dtype)
+        self._model_kv = [kv.cpu().clone() for kv in self._kv]
+        self._model_pool = [flat.clone() for flat in self._pool.flat_layers]
         self._backend = self.make_backend(self._kv, self._pool, bpc)
 
-    @rule(data=st.data())
-    def write_block(self, data: st.DataObject) -> None:
-        """The forward writes a block that no in-flight job reads or writes."""
-        free = sorted(set(range(self.num_blocks)) - self._busy_blocks())
-        if not free:
+    @rule(block=st.integers(0, 1_000), to_slot=st.booleans())
+    def write(self, block: int, to_slot: bool) -> None:
+        """The forward writes a GPU block, or a slot row gets new bytes, where no in-flight job looks."""
+        if to_slot:
+            row = block % (self.num_slots * self._bpc)
+            if row not in self._busy_rows():
+                for layer, model in enumerate(self._model_pool):
+                    value = self._fresh()
+                    self.pool.block(layer, row).copy_(value)
+                    model[row].copy_(value)
             return
-        block = data.draw(st.sampled_from(free), label="block")
-        for kv in self._kv:
-            kv[block].copy_(self._fresh().to(kv.device))
-
-    def _draw_job(self, data: st.DataObject, is_store: bool) -> tuple[GPUBlockSpec, SlotSpec] | None:
-        bpc = self._bpc
-        busy_rows = self._busy_rows()
-        free_slots = [s for s in range(self.num_slots) if not any(s * bpc + i in busy_rows for i in range(bpc))]
-        free_blocks = sorted(set(range(self.num_blocks)) - self._busy_blocks())
-        if not free_slots or not free_blocks:
-            return None
-        n_chunks = data.draw(st.integers(1, min(2, len(free_slots))), label="chunks")
-        slots = data.draw(st.permutations(free_slots), label="slots")[:n_chunks]
-        offset = 0 if is_store else data.draw(st.integers(0, bpc - 1), label="offset")
-        max_blocks = min(len(free_blocks), n_chunks * bpc - offset)
-        min_blocks = (n_chunks - 1) * bpc - offset + 1
-        if max_blocks < max(1, min_blocks):
-            return None
-        n_blocks = data.draw(st.integers(max(1, min_blocks), max_blocks), label="blocks")
-        blocks = data.draw(st.permutations(free_blocks), label="gpu")[:n_blocks]
-        return GPUBlockSpec(tuple(blocks), offset), SlotSpec(tuple(slots))
+        b = block % self.num_blocks
+        if b not in self._busy_blocks():
+            for kv, model in zip(self._kv, self._model_kv, strict=True):
+                value = self._fresh()
+                kv[b].copy_(value.to(kv.device))
+                model[b].copy_(value)
 
     @rule(data=st.data(), is_store=st.booleans())
     def submit(self, data: st.DataObject, is_store: bool) -> None:
-        drawn = self._draw_job(data, is_store)
-        if drawn is None:
-            return
-        gpu, slots = drawn
-        self.backend.check(is_store, gpu, slots)
-        rows = chunk_rows(gpu, slots, self._bpc)
+        """A store (GPU -> slots) or load (slots -> GPU) over blocks and rows no in-flight job touches."""
+        bpc = self._bpc
+        n_chunks = data.draw(st.integers(1, 2), label="chunks")
+        slots = data.draw(st.permutations(range(self.num_slots)), label="slot order")[:n_chunks]
+        offset = 0 if is_store else data.draw(st.integers(0, bpc - 1), label="offset")
+        lo, hi = max(1, (n_chunks - 1) * bpc - offset + 1), n_chunks * bpc - offset
+        n_blocks = data.draw(st.integers(lo, hi), label="blocks")
+        blocks = data.draw(st.permutations(range(self.num_blocks)), label="block order")[:n_blocks]
+        gpu, spec = GPUBlockSpec(tuple(blocks), offset), SlotSpec(tuple(slots))
+        rows = chunk_rows(gpu, spec, bpc)
+        if set(blocks) & self._busy_blocks() or set(rows) & self._busy_rows():
+            return  # another job in flight touches this memory: the scheduler never submits that
+        self.backend.check(is_store, gpu, spec)
         if is_store:
-            expected = [torch.stack([kv[b].cpu() for b in gpu.block_ids]) for kv in self._kv]
+            expected = [[kv[b].cpu().clone() for b in blocks] for kv in self._kv]
         else:
-            expected = [flat[torch.tensor(rows)].clone() for flat in self.pool.flat_layers]
+            expected = [[self.pool.block(layer, r).clone() for r in rows] for layer in range(self.num_layers)]
         job_id = self._next_id
         self._next_id += 1
-        self._jobs[job_id] = _Submitted(is_store, gpu, slots, expected)
-        future = self.backend.submit(job_id, is_store, gpu, slots)
+        self._jobs[job_id] = _Submitted(is_store, gpu, spec, rows, expected)
+        future = self.backend.submit(job_id, is_store, gpu, spec)
         assert isinstance(future, Future), f"submit returned {future!r}; expected a concurrent.futures.Future"
-        if isinstance(self.backend, ManualCopyBackend):
-            pass  # its copies run when completed, see ManualCopyBackendMachine
 
-    @rule(data=st.data())
-    def check_rejects_without_changing(self, data: st.DataObject) -> None:
-        """``check`` refuses an impossible job (slot count, offset, block range) and changes nothing."""
-        bad = data.draw(
-            st.sampled_from(
-                [
-                    (True, GPUBlockSpec((0,), 0), SlotSpec(())),  # a block but no slot
-                    (False, GPUBlockSpec((0,), self._bpc), SlotSpec((0,))),  # offset outside the chunk
-                    (True, GPUBlockSpec((self.num_blocks,), 0), SlotSpec((0,))),  # block out of range
-                    (False, GPUBlockSpec((0,), 0), SlotSpec((self.num_slots,))),  # slot out of range
-                ]
-            ),
-            label="bad job",
-        )
-        before = [layer.clone() for layer in self.pool.layers]
+    @rule(which=st.integers(0, 3))
+    def check_refuses(self, which: int) -> None:
+        """``check`` refuses an impossible job (with ConfigError) and changes nothing."""
+        bad = [
+            (True, GPUBlockSpec((0,), 0), SlotSpec(())),  # a block but no slot
+            (False, GPUBlockSpec((0,), self._bpc), SlotSpec((0,))),  # offset outside the chunk
+            (True, GPUBlockSpec((self.num_blocks,), 0), SlotSpec((0,))),  # block out of range
+            (False, GPUBlockSpec((0,), 0), SlotSpec((self.num_slots,))),  # slot out of range
+        ][which]
+        kv_before, pool_before = self._snapshot()
         try:
             self.backend.check(*bad)
         except ConfigError:
             pass
         else:
             raise AssertionError(f"check accepted the impossible job {bad}")
-        assert all(torch.equal(a, b) for a, b in zip(before, self.pool.layers, strict=True))
-        assert self._apply_nothing_new()
-
-    def _apply_nothing_new(self) -> bool:
-        return True
-
-    @precondition(lambda self: bool(self._jobs))
-    @rule(data=st.data())
-    def wait_some(self, data: st.DataObject) -> None:
-        """``wait`` returns only once the named jobs finished: the next poll reports all of them."""
-        ids = sorted(self._jobs)
-        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=len(ids), unique=True), label="ids")
-        self.backend.wait(chosen)
-        results = self.backend.poll()
-        reported = {j for j, _ in results}
-        missing = set(chosen) - reported
-        assert not missing, f"wait({chosen}) returned but poll did not report {sorted(missing)}"
-        self._apply(results)
+        kv_after, pool_after = self._snapshot()
+        assert all(torch.equal(a, b) for a, b in zip(kv_before, kv_after, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(pool_before, pool_after, strict=True))
 
     @rule()
     def poll(self) -> None:
-        self._apply(self.backend.poll())
+        """Whatever has finished is reported, once, with its bytes in place."""
+        self._take(self.backend.poll())
+
+    @precondition(lambda self: bool(self._jobs))
+    @rule(data=st.data())
+    def wait(self, data: st.DataObject) -> None:
+        """``wait(ids)`` returns once those jobs finished: the next poll reports every one not reported."""
+        ids = sorted(self._jobs)
+        chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=len(ids), unique=True), label="ids")
+        self.backend.wait(chosen)
+        self._take(self.backend.poll())
+        missing = sorted(j for j in chosen if j not in self._reported)
+        assert not missing, f"wait({chosen}) returned, but poll has not reported {missing}"
+        assert not self._problems, "; ".join(self._problems)
+        for job_id in chosen:
+            self._check_job(job_id, self._jobs[job_id])
+            job = self._jobs.pop(job_id)  # its memory is free again: the model takes the copied bytes
+            for layer in range(self.num_layers):
+                for i, (block, row) in enumerate(zip(job.gpu.block_ids, job.rows, strict=True)):
+                    target = self._model_pool[layer][row] if job.is_store else self._model_kv[layer][block]
+                    target.copy_(job.expected[layer][i])
 
     @invariant()
-    def untouched_rows_keep_their_bytes(self) -> None:
-        """Nothing writes a slot row or GPU block outside the jobs in flight (cheap spot check)."""
-        # The per-job checks in _apply compare every copied byte; here only the bookkeeping is checked.
-        assert not (self._reported & set(self._jobs)), "a reported job is still in flight"
+    def nothing_else_changes(self) -> None:
+        """Outside the jobs in flight, every block and slot row holds exactly what the model says."""
+        if self._pool is None:
+            return
+        busy_blocks, busy_rows = self._busy_blocks(), self._busy_rows()
+        for layer in range(self.num_layers):
+            kv, model_kv = self._kv[layer], self._model_kv[layer]
+            for b in range(self.num_blocks):
+                if b not in busy_blocks:
+                    assert torch.equal(kv[b].cpu(), model_kv[b]), f"GPU block {b} (layer {layer}) changed"
+            model_pool = self._model_pool[layer]
+            for r in range(model_pool.shape[0]):
+                if r not in busy_rows:
+                    assert torch.equal(self.pool.block(layer, r), model_pool[r]), (
+                        f"pool row {r} (layer {layer}) changed"
+                    )
 
     def teardown(self) -> None:
         if self._backend is None:
             return
-        pending = sorted(self._jobs)
-        self.backend.wait(pending)
-        results = self.backend.poll()
-        self._apply(results)
-        assert not self._jobs, f"jobs {sorted(self._jobs)} were never reported after wait()"
+        self.backend.wait(sorted(self._jobs))
+        self._take(self.backend.poll())
+        missing = sorted(set(self._jobs) - self._reported)
         self.backend.shutdown()
+        assert not missing, f"jobs {missing} were never reported, even after wait()"
+        assert not self._problems, "; ".join(self._problems)
+        for job_id, job in sorted(self._jobs.items()):
+            self._check_job(job_id, job)

@@ -1,0 +1,212 @@
+"""kvfsm.testing, the conformance kit: kvfsm's own tier and copy backends pass it, broken ones do not.
+
+The kit's machines run under the profile chosen by HYPOTHESIS_PROFILE (see conftest.py). Each negative test
+plants one defect in an otherwise correct tier or backend and asserts that the kit reports it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
+from kvfsm.control.memory_tier import InMemoryTier
+from kvfsm.testing import SecondaryTierStateMachine
+from kvfsm.testing.stateful import KitSlotIO
+
+_QUICK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+def _profile(steps: int = 30) -> settings:
+    return settings(settings(), stateful_step_count=steps, deadline=None, suppress_health_check=_QUICK)
+
+
+def _finds_defect(machine: type[RuleBasedStateMachine], match: str, max_examples: int = 200) -> None:
+    """The kit fails on ``machine`` with an error whose message matches ``match``."""
+    with pytest.raises(Exception, match=match):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=max_examples,
+                stateful_step_count=30,
+                database=None,
+                derandomize=True,
+                deadline=None,
+                phases=[Phase.generate],
+                report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+
+
+class InMemoryTierMachine(SecondaryTierStateMachine):
+    """kvfsm's InMemoryTier, with the test deciding when each job finishes and whether it fails."""
+
+    def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
+        return InMemoryTier("mem", capacity=4, slot_io=slot_io)
+
+    def pending_jobs(self, tier: SecondaryTier) -> Sequence[int] | None:
+        assert isinstance(tier, InMemoryTier)
+        return tier.pending_job_ids()
+
+    def complete(self, tier: SecondaryTier, job_id: int, success: bool) -> None:
+        assert isinstance(tier, InMemoryTier)
+        tier.complete(job_id, success)
+
+
+class AutocompleteInMemoryTierMachine(SecondaryTierStateMachine):
+    """The same tier finishing every job at its next poll, on its own."""
+
+    def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
+        return InMemoryTier("mem", capacity=3, autocomplete=True, slot_io=slot_io)
+
+
+TestInMemoryTier = InMemoryTierMachine.TestCase
+TestInMemoryTier.settings = _profile()
+TestAutocompleteInMemoryTier = AutocompleteInMemoryTierMachine.TestCase
+TestAutocompleteInMemoryTier.settings = _profile()
+
+
+class _WrongBytesTier(InMemoryTier):
+    """Bit rot: a promotion writes the stored bytes with the first one flipped."""
+
+    def _load(self, job: TierJob) -> bool:
+        io = self.slot_io
+        assert io is not None
+        if any(self.data(key) is None for key in job.keys):
+            return False
+        for key, sid in zip(job.keys, job.slot_ids, strict=True):
+            blob = self.data(key)
+            assert blob is not None
+            io.write_slot(sid, bytes([blob[0] ^ 0xFF]) + blob[1:])
+        return True
+
+
+class _ReportsTwiceTier(InMemoryTier):
+    """Reports every finished job a second time at the next poll."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._again: list[JobResult] = []
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        fresh = list(super().get_finished_jobs())
+        out, self._again = self._again + fresh, fresh
+        return out
+
+
+class _ForgetfulTier(InMemoryTier):
+    """drain_jobs returns before finishing anything."""
+
+    def drain_jobs(self) -> None:
+        return
+
+
+class _BrokenTierMachine(InMemoryTierMachine):
+    tier_class: type[InMemoryTier] = InMemoryTier
+
+    def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
+        return self.tier_class("broken", capacity=4, slot_io=slot_io)
+
+
+@pytest.mark.parametrize(
+    ("tier_class", "match"),
+    [
+        (_WrongBytesTier, "does not hold its bytes"),
+        (_ReportsTwiceTier, r"reported job \d+ twice|reported job \d+, which is not in flight"),
+        (_ForgetfulTier, "still in flight after drain_jobs"),
+    ],
+)
+def test_the_tier_kit_finds_a_broken_tier(tier_class: type[InMemoryTier], match: str) -> None:
+    machine = type(f"{tier_class.__name__}Machine", (_BrokenTierMachine,), {"tier_class": tier_class})
+    _finds_defect(machine, match)
+
+
+def test_the_tier_kit_needs_a_tier() -> None:
+    with pytest.raises(NotImplementedError, match="make_tier"):
+        run_state_machine_as_test(SecondaryTierStateMachine, settings=settings(max_examples=1, database=None))
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+
+def test_copy_backends_pass_the_backend_kit() -> None:
+    """ThreadPoolCopyBackend (copies on its own threads) and ManualCopyBackend (copies when waited)."""
+    pytest.importorskip("torch")
+    import torch
+
+    from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+    from kvfsm.data.pool import CPUSlotPool
+    from kvfsm.testing import CopyBackendStateMachine, ManualCopyBackend
+
+    class ThreadPoolMachine(CopyBackendStateMachine):
+        device = "cpu"
+
+        def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
+            return ThreadPoolCopyBackend(kv_caches, pool, blocks_per_chunk, max_workers=2)
+
+    class ManualMachine(CopyBackendStateMachine):
+        device = "cpu"
+
+        def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
+            return ManualCopyBackend(ThreadPoolCopyBackend(kv_caches, pool, blocks_per_chunk, max_workers=1))
+
+    run_state_machine_as_test(ThreadPoolMachine, settings=_profile())
+    run_state_machine_as_test(ManualMachine, settings=_profile())
+
+
+def test_the_backend_kit_finds_a_broken_backend() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    from kvfsm.control.types import GPUBlockSpec, SlotSpec
+    from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+    from kvfsm.data.pool import CPUSlotPool
+    from kvfsm.testing import CopyBackendStateMachine
+
+    class OffByOne(ThreadPoolCopyBackend):
+        """Swaps the first two blocks of every multi-block store (each lands in the other's slot row)."""
+
+        def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
+            if is_store and len(gpu.block_ids) > 1:
+                b = gpu.block_ids
+                gpu = GPUBlockSpec((b[1], b[0], *b[2:]), gpu.first_block_offset)
+            return super().submit(job_id, is_store, gpu, slots)
+
+    class BrokenMachine(CopyBackendStateMachine):
+        device = "cpu"
+
+        def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
+            return OffByOne(kv_caches, pool, blocks_per_chunk, max_workers=1)
+
+    _finds_defect(BrokenMachine, "does not hold the copied bytes")
+
+
+# ---------------------------------------------------------------------------------------------- imports
+
+
+def _imports(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_import_kvfsm_does_not_import_hypothesis_and_the_kit_does_not_need_torch() -> None:
+    assert _imports("import sys, kvfsm; print('hypothesis' in sys.modules)") == "False"
+    # With torch unimportable, the tier kit and the control-plane machine still import (and run).
+    no_torch = "import sys; sys.modules['torch'] = None\n"
+    assert _imports(no_torch + "import kvfsm.testing, kvfsm.testing.control; print('ok')") == "ok"
+    code = (
+        no_torch
+        + "import kvfsm.testing\ntry:\n    kvfsm.testing.ManualCopyBackend\nexcept ImportError:\n    print('lazy')"
+    )
+    assert _imports(code) == "lazy"
