@@ -54,14 +54,23 @@ def _counted(base: type[RuleBasedStateMachine]) -> type[RuleBasedStateMachine]:
         first_failure: ClassVar[int | None] = None
 
         def teardown(self) -> None:
-            # teardown runs in the runner's ``finally``: a pending exception means this example failed.
+            # teardown runs in the runner's ``finally``: a pending exception means this example failed; an
+            # example can also fail in teardown itself (the final shutdown).
             exc = sys.exc_info()[1]
-            if not isinstance(exc, StopTest | HypothesisException):
-                cls = type(self)
-                cls.ran += 1
-                if exc is not None and cls.first_failure is None:
+            if isinstance(exc, StopTest | HypothesisException):
+                super().teardown()
+                return
+            cls = type(self)
+            cls.ran += 1
+            failed = exc is not None
+            try:
+                super().teardown()
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                if failed and cls.first_failure is None:
                     cls.first_failure = cls.ran
-            super().teardown()
 
     Counted.__name__ = f"Counted{base.__name__}"
     return Counted

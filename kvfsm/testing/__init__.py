@@ -7,13 +7,14 @@ factory, and let pytest collect its ``TestCase``::
     from kvfsm.testing import SecondaryTierStateMachine
 
     class MyTierMachine(SecondaryTierStateMachine):
-        def make_tier(self):
-            return MyTier("/tmp/kv")
-
-        def complete(self, tier, job_id, success):
-            tier.finish(job_id, success)  # however your tier lets a job finish
+        def make_tier(self, slot_io):
+            return MyTier("/tmp/kv", slot_io=slot_io)  # it copies primary slots through slot_io
 
     TestMyTier = MyTierMachine.TestCase
+
+A tier whose jobs finish only when told can also override ``pending_jobs(tier)`` and
+``complete(tier, job_id, success)``, and the machine then decides when each job finishes and whether it
+fails.
 
 Contents:
 
@@ -23,8 +24,10 @@ Contents:
 * :class:`CopyBackendStateMachine` and :class:`ManualCopyBackend` (:mod:`kvfsm.testing.backend`): any
   :class:`~kvfsm.data.backend.CopyBackend`, byte for byte. Needs torch, which is imported only when one of
   these two names is first used.
-* :mod:`kvfsm.testing.engine` (torch) and :mod:`kvfsm.testing.control` (no torch): kvfsm's own
-  whole-system machines, the reference engine with real copies and the control plane alone.
+* :mod:`kvfsm.testing.system`, :mod:`kvfsm.testing.engine` (torch) and :mod:`kvfsm.testing.control` (no
+  torch): kvfsm's own whole-system machine, generated from spec/, over the reference engine with real
+  copies and over the control plane alone. :mod:`kvfsm.testing.abstraction` projects their states and
+  the model checker's onto one coarse protocol state, to measure coverage.
 * :mod:`kvfsm.testing.coverage`: :func:`covers` / :func:`spec_covered`, which fail a machine class whose
   rules do not drive every event of the spec, and :class:`TransitionLog`, which records what ran.
 

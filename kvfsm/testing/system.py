@@ -358,8 +358,12 @@ class SystemStateMachine(RuleBasedStateMachine):
                 self._awaiting_completion.append(model)
 
     def _on_complete(self, kind: JobKind, keys: tuple[OffloadKey, ...]) -> None:
-        for i, job in enumerate(self._awaiting_completion):
-            if job.kind is kind and job.keys == keys:
+        # The job that just ended (or whose quarantine was just released); a job still quarantined is not
+        # completed yet, even if a later job of the same request has the same keys.
+        quarantined = self.h.scheduler.is_quarantined
+        for i in range(len(self._awaiting_completion) - 1, -1, -1):
+            job = self._awaiting_completion[i]
+            if job.kind is kind and job.keys == keys and not quarantined(job.job_id):
                 del self._awaiting_completion[i]
                 return
         self._violations.append(
