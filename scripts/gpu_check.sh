@@ -80,7 +80,7 @@ if alias is not None:
     alias[5].fill_(77); torch.cuda.synchronize()
     print("  host reads device write:", bool((pool.rows.view(torch.int64)[5] == 77).all().item()))
 pool.close()
-from kvfsm.data.cuda import _memcpy_async
+from kvfsm.data.cuda.device import _memcpy_async
 print("cudaMemcpyAsync through ctypes (self-tested):", _memcpy_async() is not None)
 EOF
 [[ $? -ne 0 ]] && { echo "environment not usable; see env.txt" | tee -a "$SUMMARY"; exit 1; }

@@ -34,7 +34,8 @@ from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.data import CPUSlotPool, OffloadingWorker, ThreadPoolCopyBackend
 from kvfsm.data.backend import CopyBackend
 from kvfsm.data.calibration import CalibrationTable, Choice
-from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice, _segments
+from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice
+from kvfsm.data.cuda.backend import _segments
 from kvfsm.data.plan import Registration, contiguous_start, runs
 from kvfsm.errors import ConfigError
 from kvfsm.states import JobKind, JobState
