@@ -55,6 +55,8 @@ __all__ = [
     "COPY_PATHS",
     "CopyBackend",
     "CopyStats",
+    "CopyStatsMixin",
+    "CopyTally",
     "CpuCopier",
     "ThreadPoolCopyBackend",
     "chunk_rows",
@@ -107,6 +109,48 @@ class CopyStats:
     jobs_stored: int
     jobs_loaded: int
     jobs_failed: int
+
+
+class CopyTally:
+    """The thread-safe running totals behind :class:`CopyStats`, updated as each copy ends (on copy threads)."""
+
+    __slots__ = ("_counts", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # bytes_stored, bytes_loaded, jobs_stored, jobs_loaded, jobs_failed
+        self._counts = [0, 0, 0, 0, 0]
+
+    def succeeded(self, is_store: bool, nbytes: int) -> None:
+        with self._lock:
+            self._counts[0 if is_store else 1] += nbytes
+            self._counts[2 if is_store else 3] += 1
+
+    def failed(self) -> None:
+        with self._lock:
+            self._counts[4] += 1
+
+    def snapshot(self) -> CopyStats:
+        with self._lock:
+            return CopyStats(*self._counts)
+
+
+class CopyStatsMixin:
+    """``stats()``, ``bytes_stored`` and ``bytes_loaded`` of a copy backend, read from its ``_tally``."""
+
+    __slots__ = ()
+    _tally: CopyTally
+
+    def stats(self) -> CopyStats:
+        return self._tally.snapshot()
+
+    @property
+    def bytes_stored(self) -> int:
+        return self._tally.snapshot().bytes_stored
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self._tally.snapshot().bytes_loaded
 
 
 def _idx(a: IndexArray) -> torch.Tensor:
@@ -453,7 +497,7 @@ def cpu_calibration(parts: int = 1) -> CalibrationTable:
 # ---------------------------------------------------------------------------------------------- the backend
 
 
-class ThreadPoolCopyBackend:
+class ThreadPoolCopyBackend(CopyStatsMixin):
     """Batched copies between one host-resident KV-cache shard and one :class:`CPUSlotPool`, on a thread pool.
 
     ``max_workers``: jobs copied at once (one copy thread each). ``split_threads``: threads one large job is
@@ -477,7 +521,7 @@ class ThreadPoolCopyBackend:
         "_local",
         "_lock",
         "_parts",
-        "_stats",
+        "_tally",
         "blocks_per_chunk",
         "copier",
         "device",
@@ -523,8 +567,7 @@ class ThreadPoolCopyBackend:
         self._calibration = calibration
         self._inflight: dict[int, Future[None]] = {}
         self._lock = threading.Lock()
-        # bytes_stored, bytes_loaded, jobs_stored, jobs_loaded, jobs_failed
-        self._stats = [0, 0, 0, 0, 0]
+        self._tally = CopyTally()
         #: (direction, path) -> layer-group copies done that way
         self.path_counts: Counter[tuple[str, str]] = Counter()
         self._closed = False
@@ -588,18 +631,6 @@ class ThreadPoolCopyBackend:
         """Jobs submitted and not yet reported by :meth:`poll`."""
         return len(self._inflight)
 
-    def stats(self) -> CopyStats:
-        with self._lock:
-            return CopyStats(*self._stats)
-
-    @property
-    def bytes_stored(self) -> int:
-        return self.stats().bytes_stored
-
-    @property
-    def bytes_loaded(self) -> int:
-        return self.stats().bytes_loaded
-
     @property
     def calibration(self) -> CalibrationTable | None:
         return self._calibration
@@ -622,17 +653,9 @@ class ThreadPoolCopyBackend:
                 else:
                     self._copy(plan)
         except BaseException:
-            with self._lock:
-                self._stats[4] += 1
+            self._tally.failed()
             raise
-        nbytes = len(gpu.block_ids) * self._bytes_per_block
-        with self._lock:
-            if is_store:
-                self._stats[0] += nbytes
-                self._stats[2] += 1
-            else:
-                self._stats[1] += nbytes
-                self._stats[3] += 1
+        self._tally.succeeded(is_store, len(gpu.block_ids) * self._bytes_per_block)
 
     def _copy(self, plan: JobPlan) -> None:
         assert self.copier is not None

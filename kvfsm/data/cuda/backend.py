@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.data.backend import CopyStats
+from kvfsm.data.backend import CopyStatsMixin, CopyTally
 from kvfsm.data.calibration import CalibrationTable, Choice, Measure, cached_table, calibrate, grid
 from kvfsm.data.cuda.device import (
     CUDA_COPY_PATHS,
@@ -139,7 +139,7 @@ class _Job:
     done: bool = False
 
 
-class CudaCopyBackend:
+class CudaCopyBackend(CopyStatsMixin):
     """Asynchronous batched copies between one CUDA KV-cache shard and one pinned :class:`CPUSlotPool`.
 
     ``copy_path``: ``"auto"`` (calibrated at construction), ``"dma"`` or ``"kernel"``. ``device_api`` defaults to
@@ -214,7 +214,7 @@ class CudaCopyBackend:
         self._seq_events: dict[int, Any] = {}
         self._inflight: dict[int, _Job] = {}
         self._lock = threading.Lock()
-        self._stats = [0, 0, 0, 0, 0]
+        self._tally = CopyTally()
         #: (direction, path) -> layer-group copies done that way
         self.path_counts: Counter[tuple[str, str]] = Counter()
         self._closed = False
@@ -289,18 +289,6 @@ class CudaCopyBackend:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    def stats(self) -> CopyStats:
-        with self._lock:
-            return CopyStats(*self._stats)
-
-    @property
-    def bytes_stored(self) -> int:
-        return self.stats().bytes_stored
-
-    @property
-    def bytes_loaded(self) -> int:
-        return self.stats().bytes_loaded
-
     @property
     def calibration(self) -> CalibrationTable | None:
         return self._calibration
@@ -312,15 +300,10 @@ class CudaCopyBackend:
             return
         job.done = True
         self._seq_events.pop(job.seq, None)
-        with self._lock:
-            if job.error is not None:
-                self._stats[4] += 1
-            elif job.is_store:
-                self._stats[0] += job.nbytes
-                self._stats[2] += 1
-            else:
-                self._stats[1] += job.nbytes
-                self._stats[3] += 1
+        if job.error is not None:
+            self._tally.failed()
+        else:
+            self._tally.succeeded(job.is_store, job.nbytes)
         if job.error is not None:
             logger.warning("copy of job %d failed: %r", job.job_id, job.error)
             job.future.set_exception(job.error)
