@@ -1,21 +1,20 @@
 """``kvfsm check``: run the model checker from the command line, with a progress display.
 
-The progress display uses ``rich`` if it is installed, else ``tqdm``, else plain lines on stderr; none of
-them is needed (``pip install kvfsm[check]`` brings rich). ``--quiet`` turns it off, ``--json`` prints the
-result as JSON on stdout. The exit status is 0 when nothing is violated, 1 otherwise.
+The progress display (shared with ``kvfsm bench``) uses ``rich`` if it is installed, else ``tqdm``, else plain
+lines on stderr; none of them is needed (``pip install kvfsm[progress]`` brings rich). ``--quiet`` turns it off,
+``--json`` prints the result as JSON on stdout. The exit status is 0 when nothing is violated, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
+from kvfsm.bench_progress import Progress as ProgressDisplay
 from kvfsm.check.bfs import ExplorationResult, explore, format_trace
 from kvfsm.check.model import Bounds, Model
 
@@ -67,62 +66,20 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
 
 @contextmanager
 def progress_display(enabled: bool, stream: TextIO = sys.stderr) -> Iterator[Progress | None]:
-    """A progress callback for explore(): rich, tqdm or plain text, whichever is available."""
+    """A progress callback for explore(), on the shared progress display (:mod:`kvfsm.bench_progress`)."""
     if not enabled:
         yield None
         return
-    try:
-        from rich.progress import Progress as RichProgress
-        from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
-    except ImportError:
-        pass
-    else:
-        from rich.console import Console
+    with ProgressDisplay(None, "exploring", stream=stream) as display:
 
-        with RichProgress(
-            SpinnerColumn(),
-            TextColumn("[bold]exploring[/bold] {task.fields[stats]}"),
-            TimeElapsedColumn(),
-            console=Console(file=stream),
-            transient=True,
-        ) as bar:
-            task = bar.add_task("explore", total=None, stats="")
-
-            def rich_update(states: int, edges: int, queued: int, seconds: float) -> None:
-                rate = states / seconds if seconds > 0 else 0.0
-                bar.update(task, stats=f"{states:,} states, {edges:,} edges, {queued:,} queued, {rate:,.0f}/s")
-
-            yield rich_update
-        return
-    try:
-        tqdm = importlib.import_module("tqdm").tqdm
-    except ImportError:
-        pass
-    else:
-        with tqdm(total=None, unit=" states", file=stream, leave=False, dynamic_ncols=True) as tq:
-            last = [0]
-
-            def tqdm_update(states: int, edges: int, queued: int, seconds: float) -> None:
-                tq.update(states - last[0])
-                last[0] = states
-                tq.set_postfix(edges=edges, queued=queued, refresh=False)
-
-            yield tqdm_update
-        return
-    clock = [time.perf_counter()]
-
-    def plain(states: int, edges: int, queued: int, seconds: float) -> None:
-        now = time.perf_counter()
-        if now - clock[0] >= 1.0 or queued == 0:
-            clock[0] = now
+        def update(states: int, edges: int, queued: int, seconds: float) -> None:
             rate = states / seconds if seconds > 0 else 0.0
-            print(
-                f"  {states:,} states, {edges:,} edges, {queued:,} queued, {seconds:.1f} s ({rate:,.0f} states/s)",
-                file=stream,
-                flush=True,
+            display.status(
+                f"{states:,} states, {edges:,} edges, {queued:,} queued, {seconds:.1f} s ({rate:,.0f} states/s)",
+                final=queued == 0,
             )
 
-    yield plain
+        yield update
 
 
 def run(args: argparse.Namespace) -> int:
