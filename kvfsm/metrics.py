@@ -1,7 +1,7 @@
 """Metrics from the spec machines' transitions, exported through prometheus-client (an optional extra).
 
-:class:`KvfsmMetrics` is a transition tracer (installed with :func:`kvfsm.fsm.set_tracer`, chaining any
-tracer installed before it). Every transition costs O(1): it updates plain Python counters, and the
+:class:`KvfsmMetrics` is a transition tracer (registered with :func:`kvfsm.fsm.add_tracer`, beside
+any other tracer). Every transition costs O(1): it updates plain Python counters, and the
 Prometheus families are built from them only when scraped. So the logic runs, and is tested, without
 prometheus-client; only :meth:`KvfsmMetrics.registry`, :meth:`~KvfsmMetrics.exposition` and
 :meth:`~KvfsmMetrics.serve` need it (``pip install 'kvfsm[metrics]'``).
@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.fsm import TransitionTracer, set_tracer
+from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
 from kvfsm.spec_loader import load_machine
 
 __all__ = [
@@ -168,21 +168,22 @@ class KvfsmMetrics:
         self._gbps: dict[str, _Histogram] = {}
         self._tiers: dict[str, Callable[[], Mapping[str, int]]] = {}
         self._schedulers: list[Any] = []
-        self._previous: TransitionTracer | None = None
+        self._handle: TracerHandle | None = None
         self._installed = False
 
     # ------------------------------------------------------------------ install
 
     def install(self) -> KvfsmMetrics:
         if not self._installed:
-            self._previous = set_tracer(self)
+            self._handle = add_tracer(self)
             self._installed = True
         return self
 
     def uninstall(self) -> None:
         if self._installed:
-            set_tracer(self._previous)
-            self._previous = None
+            if self._handle is not None:
+                remove_tracer(self._handle)
+            self._handle = None
             self._installed = False
 
     def __enter__(self) -> KvfsmMetrics:
@@ -238,8 +239,6 @@ class KvfsmMetrics:
     def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
         with self._lock:
             self._on_transition(machine, model, event, source, dest, self.clock())
-        if self._previous is not None:
-            self._previous(machine, model, event, source, dest)
 
     def _on_transition(self, machine: str, model: object, event: str, source: str, dest: str, now: float) -> None:
         self.transitions += 1

@@ -21,7 +21,7 @@ from kvfsm.control.types import (
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEvent, SlotState
+from kvfsm.states import SlotEffect, SlotEvent, SlotState
 
 CTX = ReqContext("r1")
 A, W, R, RD = SlotState.ABSENT, SlotState.WRITING, SlotState.READY, SlotState.READING
@@ -71,11 +71,11 @@ def check_counts(m: CPUOffloadingManager, universe: Iterable[int]) -> None:
 class RecordingMachine:
     """Wraps the slot machine; logs every fire as (key, before, event, after)."""
 
-    def __init__(self, inner: SpecMachine[SlotState, SlotEvent]) -> None:
+    def __init__(self, inner: SpecMachine[SlotState, SlotEvent, SlotEffect]) -> None:
         self.inner = inner
         self.log: list[tuple[OffloadKey, SlotState, SlotEvent, SlotState]] = []
 
-    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> str | None:
+    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> SlotEffect | None:
         before = model.state
         effect = self.inner.fire(model, event, arg)
         self.log.append((model.key, before, event, model.state))

@@ -11,7 +11,6 @@ from tier_support import GUARD_S
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.tiering import BackpressureConfig, CascadeBackpressure, TieringManager
@@ -19,6 +18,7 @@ from kvfsm.control.types import LookupResult, OffloadKey, ReqContext, make_offlo
 from kvfsm.deadlines import DeadlineQueue, Deadlines, ManualClock
 from kvfsm.errors import AckCountError, ConfigError, UnknownJobError
 from kvfsm.states import JobKind, JobState, RequestState, SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4
 R1 = ReqContext("r1")

@@ -25,7 +25,7 @@ from tier_support import (
 
 from kvfsm.control.manager import JobResult, TierJob
 from kvfsm.control.types import OffloadingEvent
-from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
+from kvfsm.errors import ConfigError, DuplicateJobError, KvfsmError
 from kvfsm.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.states import JobState, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, decode, encode, key_name
@@ -434,7 +434,7 @@ def test_tier_rejects_malformed_jobs_and_use_after_shutdown(tmp_path: Path) -> N
     tier.faults = gate
     tier._io.faults = gate
     tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))
-    with pytest.raises(InvalidTransition, match="already runs job 1"):
+    with pytest.raises(DuplicateJobError, match="already runs job 1"):
         tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))
     assert gate.wait_for_hangs(1, GUARD_S)
     tier.shutdown(GUARD_S)  # cancels the hang: the job reports failed

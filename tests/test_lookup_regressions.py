@@ -6,12 +6,12 @@ from helpers import FakeRequest, keys_of, tokens
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import ReqContext
 from kvfsm.deadlines import Deadlines, ManualClock
 from kvfsm.states import SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4
 

@@ -464,8 +464,8 @@ def test_has_pending_work_defaults_to_false() -> None:
 
 def test_tiering_manager_has_pending_work_while_a_cascade_is_in_flight() -> None:
     try:
-        from kvfsm.control.memory_tier import InMemoryTier
         from kvfsm.control.tiering import TieringManager
+        from kvfsm.tiers.memory import InMemoryTier
     except ImportError as exc:  # pragma: no cover - only while tiering is not written yet
         pytest.skip(f"kvfsm.control.tiering is not available yet: {exc}")
     tier = InMemoryTier("mem")

@@ -9,7 +9,6 @@ import pytest
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import (
     LookupResult,
@@ -20,8 +19,9 @@ from kvfsm.control.types import (
     SlotSpec,
     make_offload_key,
 )
-from kvfsm.errors import ConfigError, InvalidTransition, UnknownJobError
+from kvfsm.errors import ConfigError, DuplicateJobError, UnknownJobError
 from kvfsm.states import JobKind, JobState, SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 R1, R2 = ReqContext("r1"), ReqContext("r2")
 HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -418,7 +418,7 @@ def test_memory_tier_rejects_malformed_jobs() -> None:
     with pytest.raises(ConfigError, match="one slot per key"):
         tier.submit_load(TierJob(0, (k(0),), (), True, "r"))
     tier.submit_load(TierJob(0, (k(0),), (0,), True, "r"))
-    with pytest.raises(InvalidTransition, match="already runs job 0"):
+    with pytest.raises(DuplicateJobError, match="already runs job 0"):
         tier.submit_load(TierJob(0, (k(0),), (0,), True, "r"))
     with pytest.raises(UnknownJobError):
         tier.complete(5)

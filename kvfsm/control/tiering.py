@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.job import Job
+from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
 from kvfsm.control.types import (
     GPUBlockSpec,
@@ -38,7 +38,7 @@ from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_t
 from kvfsm.errors import ConfigError, KvfsmError, UnknownJobError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
-from kvfsm.states import JobEvent, JobKind, JobState, SlotState
+from kvfsm.states import JobEffect, JobEvent, JobKind, JobState, SlotState
 
 __all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringManager"]
 
@@ -154,7 +154,7 @@ class TieringManager(OffloadingManager):
         cascades to slow tiers; ``clock`` (default ``time.monotonic``) times both."""
         self._primary = primary
         self._tiers: tuple[SecondaryTier, ...] = tuple(tiers)
-        self._job_machine: SpecMachine[JobState, JobEvent] = job_machine(checked)
+        self._job_machine: SpecMachine[JobState, JobEvent, JobEffect] = job_machine(checked)
         self._next_job_id = 0
         self._transfer_jobs: dict[int, _Transfer] = {}
         # Promotions reserved by lookups this step, per tier: req_id -> keys (slots are already writing).
@@ -165,7 +165,7 @@ class TieringManager(OffloadingManager):
         self._clock: Clock = clock if clock is not None else time.monotonic
         self._expiry = DeadlineQueue()
         # Timed-out transfers whose tier has not reported yet: their slots stay pinned/reserved until it does.
-        self._quarantine: dict[int, _Transfer] = {}
+        self._quarantine: dict[int, Quarantined] = {}
         self._backpressure: tuple[CascadeBackpressure | None, ...] = tuple(
             None if backpressure is None else CascadeBackpressure(backpressure) for _ in self._tiers
         )
@@ -197,6 +197,7 @@ class TieringManager(OffloadingManager):
 
     @property
     def primary(self) -> CPUOffloadingManager:
+        """The CPU primary in front of the tiers."""
         return self._primary
 
     @property
@@ -205,7 +206,11 @@ class TieringManager(OffloadingManager):
 
     @property
     def num_transfer_jobs(self) -> int:
+        """Primary <-> tier jobs submitted and not yet applied (timed-out ones are quarantined instead)."""
         return len(self._transfer_jobs)
+
+    def transfer_in_flight(self, job_id: int) -> bool:
+        return job_id in self._transfer_jobs
 
     def transfer_job(self, job_id: int) -> Job:
         rec = self._transfer_jobs.get(job_id)
@@ -380,10 +385,10 @@ class TieringManager(OffloadingManager):
         """Shut the tiers down (each within the time left, on a helper thread when bounded), apply what
         they reported, time out the rest, and release every slot a transfer still held: afterwards no
         transfer is in flight and nothing is pinned. Then the primary."""
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else self._clock() + timeout
         stuck: set[int] = set()
         for i, tier in enumerate(self._tiers):
-            left = None if end is None else max(0.0, end - time.monotonic())
+            left = None if end is None else max(0.0, end - self._clock())
             if left is None:
                 tier.shutdown()
             elif not run_bounded(with_timeout(tier.shutdown, left), left + 0.05, f"tier {tier.name}"):
@@ -394,8 +399,8 @@ class TieringManager(OffloadingManager):
             logger.exception("results reported at shutdown were malformed; giving up on them")
         self.abandon_transfers()
         primary = self._primary
-        for rec in self._quarantine.values():
-            self._release(rec, success=False, invalidate=False)
+        for q in self._quarantine.values():
+            self._release(q.job, q.tier, invalidate=False)
             self._stats["transfers_abandoned"] += 1
         self._quarantine.clear()
         for inflight in self._cascades_inflight:
@@ -452,9 +457,12 @@ class TieringManager(OffloadingManager):
     def _time_out(self, rec: _Transfer, now: float) -> None:
         """The transfer's deadline passed: it ends timed_out; its slots wait in quarantine for the tier."""
         job = rec.job
-        job.time_out()  # the effect is release, carried out when the tier reports (see _release)
+        match job.time_out():
+            case JobEffect.RELEASE:  # carried out once the tier reports the copy finished (see _apply)
+                self._quarantine[job.job_id] = Quarantined(job, ReqContext(job.req_id), 1, rec.tier)
+            case effect:
+                raise AssertionError(f"time_out of {job!r} gave {effect!r}; spec/job.toml says release")
         del self._transfer_jobs[job.job_id]
-        self._quarantine[job.job_id] = rec
         if job.kind is JobKind.CASCADE:
             self._cascades_inflight[rec.tier].pop(job.job_id, None)
             bp = self._backpressure[rec.tier]
@@ -464,13 +472,13 @@ class TieringManager(OffloadingManager):
         else:
             self._stats["promotions_timed_out"] += len(job.keys)
 
-    def _release(self, rec: _Transfer, *, success: bool, invalidate: bool) -> None:
-        """Hand back what a timed-out transfer held, as for a failure (a late success never commits)."""
-        job = rec.job
+    def _release(self, job: Job, tier_idx: int, *, invalidate: bool) -> None:
+        """The RELEASE effect: a promotion frees its slot (and, with ``invalidate``, the tier forgets its
+        copy); a cascade unpins its slot, whose CPU copy stays valid."""
         if job.kind is JobKind.PROMOTE:
             self._primary.complete_write(job.keys, False)
-            if invalidate and not success:
-                self._invalidate(self._tiers[rec.tier], job.keys)
+            if invalidate:
+                self._invalidate(self._tiers[tier_idx], job.keys)
         else:
             self._primary.complete_read(job.keys)
 
@@ -520,7 +528,7 @@ class TieringManager(OffloadingManager):
         for res in results:
             if res.job_id in self._stale_ids:
                 continue
-            rec = self._transfer_jobs.get(res.job_id)
+            rec: _Transfer | Quarantined | None = self._transfer_jobs.get(res.job_id)
             if rec is None:
                 rec = self._quarantine.get(res.job_id)  # a late result of a timed-out transfer
             if rec is None or rec.tier != tier_idx or res.job_id in seen:
@@ -542,41 +550,49 @@ class TieringManager(OffloadingManager):
         return live
 
     def _apply(self, tier_idx: int, tier: SecondaryTier, results: list[JobResult]) -> None:
-        primary = self._primary
+        """Report each result to its job and carry out the effect the job machine returns."""
         now = self._clock()
         for res in results:
             late = self._quarantine.pop(res.job_id, None)
             if late is not None:
+                # Timed out already (its RELEASE is pending): a late success never commits.
+                late.report()
                 self._stats["late_results"] += 1
-                self._release(late, success=res.success, invalidate=True)
+                self._release(late.job, late.tier, invalidate=not res.success)
                 continue
             rec = self._transfer_jobs.pop(res.job_id)
             job = rec.job
-            if res.success:
-                job.ack(1)
-            else:
-                job.fail()
-            if job.kind is JobKind.PROMOTE:
-                primary.complete_write(job.keys, res.success)
-                if res.success:
-                    self._stats["promotions_completed"] += len(job.keys)
-                else:
-                    self._stats["promotions_failed"] += len(job.keys)
-                    # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
-                    # would promote it again forever.
-                    self._invalidate(tier, job.keys)
-            else:
-                self._cascades_inflight[tier_idx].pop(job.job_id, None)
-                bp = self._backpressure[tier_idx]
-                if bp is not None and res.success:
-                    bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
-                # Either way the primary copy stays valid: unpin it.
-                primary.complete_read(job.keys)
-                self._stats["cascades_completed" if res.success else "cascades_failed"] += 1
+            effect = job.ack(1) if res.success else job.fail()
+            match effect:
+                case JobEffect.COMMIT:
+                    self._commit(rec, now)
+                case JobEffect.RELEASE:
+                    if job.kind is JobKind.CASCADE:
+                        self._cascades_inflight[tier_idx].pop(job.job_id, None)
+                        self._stats["cascades_failed"] += 1
+                    else:
+                        # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
+                        # would promote it again forever.
+                        self._stats["promotions_failed"] += len(job.keys)
+                    self._release(job, tier_idx, invalidate=True)
+                case _:
+                    raise AssertionError(f"the one report of {job!r} gave {effect!r}; expected commit or release")
+
+    def _commit(self, rec: _Transfer, now: float) -> None:
+        """The COMMIT effect: a promotion's slots become readable; a cascade's slots are unpinned."""
+        job = rec.job
+        if job.kind is JobKind.PROMOTE:
+            self._primary.complete_write(job.keys, True)
+            self._stats["promotions_completed"] += len(job.keys)
+            return
+        self._cascades_inflight[rec.tier].pop(job.job_id, None)
+        bp = self._backpressure[rec.tier]
+        if bp is not None:
+            bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
+        self._primary.complete_read(job.keys)
+        self._stats["cascades_completed"] += 1
 
     @staticmethod
-    def _invalidate(tier: SecondaryTier, keys: Sequence[OffloadKey]) -> None:
-        invalidate = getattr(tier, "invalidate", None)
-        if callable(invalidate):
-            for key in keys:
-                invalidate(key)
+    def _invalidate(tier: SecondaryTier, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            tier.invalidate(key)

@@ -35,18 +35,18 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 
-from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
-from kvfsm.control.memory_tier import SlotIO
+from kvfsm.control.cpu import SlotModel
+from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
-from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
+from kvfsm.errors import ConfigError, KvfsmError
 from kvfsm.faults import FaultPlan
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEvent, SlotState
+from kvfsm.states import SlotEffect, SlotEvent, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, FileInfo, ScanResult
 from kvfsm.tiers.lookup import AsyncLookup
 from kvfsm.tiers.pool import DualQueuePool
-from kvfsm.tiers.slotio import slot_nbytes
+from kvfsm.tiers.slotio import SlotIO, slot_nbytes
 
 __all__ = ["FileSystemTier", "ScanState"]
 
@@ -66,20 +66,14 @@ class ScanState(Enum):
 
 
 @dataclass(slots=True, eq=False)
-class _Entry:
-    """One key held by the tier (the slot machine's model)."""
+class _Entry(SlotModel):
+    """One key held by the tier (the slot machine's model: state and readers, moved by its methods)."""
 
     key: OffloadKey
     version: int
     reserved: int  #: bytes counted against the capacity (an estimate while writing)
-    state: SlotState = SlotState.ABSENT
-    readers: int = 0
     info: FileInfo | None = None
     doomed: bool = False  #: invalidated while being read: evicted when the last reader is done
-
-    def current(self) -> SlotState:
-        """The state, read through a call so that mypy does not narrow it across transitions."""
-        return self.state
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +126,7 @@ class FileSystemTier(SecondaryTier):
         self.capacity_files = capacity_files
         self._cancel = threading.Event()
         self._io = BlockIO(root, faults=faults, durable=durable, cancel=self._cancel)
-        self._machine: SpecMachine[SlotState, SlotEvent] = slot_machine(checked)
+        self._machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = slot_machine(checked)
         self._entries: dict[OffloadKey, _Entry] = {}
         self._ready: OrderedDict[OffloadKey, None] = OrderedDict()  # ready entries, least recent first
         self._used_bytes = 0
@@ -295,8 +289,8 @@ class FileSystemTier(SecondaryTier):
                 ok = False
                 self._stats["stores_rejected"] += 1
                 continue
-            e = _Entry(key, self._next_version(), size)
-            self._machine.fire(e, SlotEvent.BEGIN_WRITE)
+            e = _Entry(key, self._next_version(), size, machine=self._machine)
+            e.begin_write()
             self._entries[key] = e
             self._used_bytes += size
             tasks.append((key, slot_id, e.version))
@@ -320,8 +314,7 @@ class FileSystemTier(SecondaryTier):
                 continue
             if e.state is SlotState.READY:
                 self._ready.pop(key, None)
-            self._machine.fire(e, SlotEvent.BEGIN_READ)
-            e.readers += 1
+            e.begin_read()
             tasks.append((key, slot_id, e.info, e.version))
         self._stats["loads_submitted"] += len(tasks)
         if not tasks:
@@ -473,20 +466,7 @@ class FileSystemTier(SecondaryTier):
         what = "submit_load" if promotion else "submit_store"
         if self._closed:
             raise KvfsmError(f"tier {self.name!r} is shut down; {what} of job {job.job_id} expected an open tier")
-        if job.is_promotion is not promotion:
-            raise ConfigError(
-                f"tier {self.name!r}: {what} got job {job.job_id} with is_promotion={job.is_promotion}; "
-                f"expected is_promotion={promotion}"
-            )
-        if len(job.keys) != len(job.slot_ids):
-            raise ConfigError(
-                f"tier {self.name!r}: job {job.job_id} has {len(job.keys)} keys but {len(job.slot_ids)} slots; "
-                "expected one slot per key"
-            )
-        if job.job_id in self._jobs:
-            raise InvalidTransition(
-                "job", "in_flight", what, f"tier {self.name!r} already runs job {job.job_id}; expected a new id"
-            )
+        validate_tier_job(self.name, job, promotion=promotion, running=self._jobs)
         if self.slot_io is None:
             raise ConfigError(f"tier {self.name!r} has no slot_io; bind the CPU primary's slots before submitting")
         return self.slot_io
@@ -518,9 +498,11 @@ class FileSystemTier(SecondaryTier):
         return True
 
     def _evict(self, e: _Entry, *, unlink: bool) -> None:
-        effect = self._machine.fire(e, SlotEvent.EVICT)
-        if effect == "emit_removed":
-            self._events.append(OffloadingEvent((e.key,), self.name, removed=True))
+        match e.evict():
+            case SlotEffect.EMIT_REMOVED:
+                self._events.append(OffloadingEvent((e.key,), self.name, removed=True))
+            case _:
+                pass
         del self._entries[e.key]
         self._ready.pop(e.key, None)
         self._used_bytes -= e.reserved
@@ -541,9 +523,9 @@ class FileSystemTier(SecondaryTier):
             return
         if not self._make_room(info.size, 1):
             return  # does not fit: leave the file for a later instance with more room
-        e = _Entry(key, info.version, info.size)
-        self._machine.fire(e, SlotEvent.BEGIN_WRITE)
-        self._machine.fire(e, SlotEvent.COMMIT_WRITE)  # it was committed to disk before we saw it
+        e = _Entry(key, info.version, info.size, machine=self._machine)
+        e.begin_write()
+        e.commit_write()  # committed to disk before we saw it: no stored event (it is not new)
         e.info = info
         self._entries[key] = e
         self._ready[key] = None
@@ -598,9 +580,11 @@ class FileSystemTier(SecondaryTier):
                 self._pool.submit_write(self._unlink, r.info.path)  # written for nothing
             return
         if r.ok and r.info is not None:
-            effect = self._machine.fire(e, SlotEvent.COMMIT_WRITE)
-            if effect == "emit_stored":
-                self._events.append(OffloadingEvent((e.key,), self.name, removed=False))
+            match e.commit_write():
+                case SlotEffect.EMIT_STORED:
+                    self._events.append(OffloadingEvent((e.key,), self.name, removed=False))
+                case _:
+                    pass
             e.info = r.info
             self._used_bytes += r.info.size - e.reserved
             e.reserved = r.info.size
@@ -610,7 +594,7 @@ class FileSystemTier(SecondaryTier):
             if self._over(0, 0):
                 self._make_room(0, 0)
             return
-        self._machine.fire(e, SlotEvent.ABORT_WRITE)
+        e.abort_write()
         del self._entries[e.key]
         self._used_bytes -= e.reserved
         self._stats["stores_failed"] += 1
@@ -618,8 +602,7 @@ class FileSystemTier(SecondaryTier):
     def _apply_load(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.state is not SlotState.READING or e.version != r.version:
             return
-        self._machine.fire(e, SlotEvent.END_READ)  # the guard reads ``readers`` before it drops
-        e.readers -= 1
+        e.end_read()
         if r.ok:
             self._stats["loads_completed"] += 1
         else:

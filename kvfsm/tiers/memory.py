@@ -9,21 +9,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
-from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
+from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
-from kvfsm.errors import ConfigError, InvalidTransition, UnknownJobError
+from kvfsm.errors import ConfigError, UnknownJobError
+from kvfsm.tiers.slotio import SlotIO
 
-__all__ = ["InMemoryTier", "SlotIO"]
-
-
-class SlotIO(Protocol):
-    """Access to the CPU primary's slot bytes (the data plane's shared region)."""
-
-    def read_slot(self, slot_id: int) -> bytes: ...
-
-    def write_slot(self, slot_id: int, data: bytes) -> None: ...
+__all__ = ["InMemoryTier"]
 
 
 class InMemoryTier(SecondaryTier):
@@ -146,24 +138,7 @@ class InMemoryTier(SecondaryTier):
     # -- internals --
 
     def _submit(self, job: TierJob, *, promotion: bool) -> None:
-        what = "submit_load" if promotion else "submit_store"
-        if job.is_promotion is not promotion:
-            raise ConfigError(
-                f"tier {self.name!r}: {what} got job {job.job_id} with is_promotion={job.is_promotion}; "
-                f"expected is_promotion={promotion}"
-            )
-        if len(job.keys) != len(job.slot_ids):
-            raise ConfigError(
-                f"tier {self.name!r}: job {job.job_id} has {len(job.keys)} keys but {len(job.slot_ids)} "
-                "slots; expected one slot per key"
-            )
-        if job.job_id in self._pending:
-            raise InvalidTransition(
-                "job",
-                "in_flight",
-                what,
-                f"tier {self.name!r} already runs job {job.job_id}; expected a new id",
-            )
+        validate_tier_job(self.name, job, promotion=promotion, running=self._pending)
         self._pending[job.job_id] = job
 
     def _finish(self, job: TierJob, success: bool) -> None:
