@@ -127,6 +127,20 @@ def _kind(machine: str, model: object) -> str:
     return str(getattr(kind, "value", kind))
 
 
+def _as_mapping(stats: Callable[[], object]) -> Callable[[], Mapping[str, int]]:
+    """A ``stats()`` that returns a stats dataclass (``as_dict()``) or a mapping, read as a mapping."""
+
+    def read() -> Mapping[str, int]:
+        s = stats()
+        as_dict = getattr(s, "as_dict", None)
+        if callable(as_dict):
+            out: Mapping[str, int] = as_dict()
+            return out
+        return s if isinstance(s, Mapping) else {}
+
+    return read
+
+
 class KvfsmMetrics:
     """Transition-driven metrics and the stuck-job detector (see the module docs)."""
 
@@ -202,12 +216,12 @@ class KvfsmMetrics:
         """Watch a CPU manager, or a tiering manager's primary and every secondary tier with ``stats()``."""
         primary = getattr(manager, "primary", None)
         if primary is not None and callable(getattr(primary, "stats", None)):
-            self.watch_tier(name, primary.stats)
+            self.watch_tier(name, _as_mapping(primary.stats))
             for i, tier in enumerate(getattr(manager, "tiers", ())):
                 if callable(getattr(tier, "stats", None)):
-                    self.watch_tier(f"{getattr(tier, 'name', 'tier')}{i}", tier.stats)
+                    self.watch_tier(f"{getattr(tier, 'name', 'tier')}{i}", _as_mapping(tier.stats))
         elif callable(getattr(manager, "stats", None)):
-            self.watch_tier(name, manager.stats)  # type: ignore[attr-defined]
+            self.watch_tier(name, _as_mapping(manager.stats))  # type: ignore[attr-defined]
         else:
             raise ConfigError(f"{type(manager).__name__} has no stats(); expected an offloading manager")
 

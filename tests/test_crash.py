@@ -176,7 +176,7 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
     try:
         stats = rig.tier.stats()
         assert temp_files(tmp_path) == []  # the dead writer's temporary file was removed
-        assert stats["bad_files_removed"] == 0  # no partial block file was ever visible
+        assert stats.bad_files_removed == 0  # no partial block file was ever visible
         for i in done:
             assert rig.read_through(block_key(i)) == block_data(i, SLOT_BYTES), f"committed block {i} lost"
         in_progress = rig.read_through(block_key(len(done)))
@@ -185,6 +185,6 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
             assert in_progress in (None, block_data(len(done), SLOT_BYTES))
         else:
             assert in_progress is None
-        assert stats["scan_entries"] >= len(done)
+        assert stats.scan_entries >= len(done)
     finally:
         rig.shutdown()

@@ -169,7 +169,7 @@ def test_cascade_pins_primary_slot_until_polled() -> None:
     assert job.state is JobState.COMPLETE
     assert primary.slot_state(k(0)) is SlotState.READY
     assert k(0) in tier
-    assert tm.stats()["cascades_completed"] == 1
+    assert tm.stats().cascades_completed == 1
     out = tm.prepare_store(keys(1), R1)
     assert out is not None and out.evicted_keys == (k(0),)
 
@@ -200,7 +200,7 @@ def test_failed_cascade_keeps_cpu_copy() -> None:
     assert tm.lookup(k(0), R1) is HIT
     assert primary.ref_cnt(k(0)) == 0
     assert k(0) not in tier
-    assert tm.stats()["cascades_failed"] == 1
+    assert tm.stats().cascades_failed == 1
 
 
 def test_no_cascade_for_failed_or_repeated_store() -> None:
@@ -269,7 +269,7 @@ def test_promotion_reserves_slot_then_hits_after_completion() -> None:
     assert primary.slot_state(k(5)) is SlotState.READY
     assert OffloadingEvent((k(5),), "CPU", removed=False) in tm.take_events()
     s = tm.stats()
-    assert (s["secondary_hits"], s["promotions_submitted"], s["promotions_completed"]) == (1, 1, 1)
+    assert (s.secondary_hits, s.promotions_submitted, s.promotions_completed) == (1, 1, 1)
 
 
 def test_promotions_batched_per_tier_and_request() -> None:
@@ -312,7 +312,7 @@ def test_failed_promotion_frees_slot_and_next_lookup_misses() -> None:
     assert primary.num_free == 4
     assert k(5) not in tier  # invalidated: no promotion loop
     assert tm.lookup(k(5), R1) is MISS
-    assert tm.stats()["promotions_failed"] == 1
+    assert tm.stats().promotions_failed == 1
 
 
 def test_promotion_of_key_lost_by_tier_fails() -> None:
@@ -460,7 +460,7 @@ def test_reset_drains_in_flight_work_and_drops_queued_promotions() -> None:
     assert tm.has_pending_work() is False
     assert primary.num_free == 4 and len(primary) == 0
     assert set(tier.keys()) == {k(0), k(5), k(6)}  # tiers keep their data
-    assert tm.stats()["promotions_dropped"] == 1
+    assert tm.stats().promotions_dropped == 1
     assert tm.lookup(k(0), R1) is PENDING  # promoted back from the tier
 
 

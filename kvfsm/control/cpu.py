@@ -10,7 +10,7 @@ O(victims) when it evicts; only :meth:`CPUOffloadingManager.reset_cache` visits 
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.policies import CachePolicy, make_policy
@@ -27,7 +27,7 @@ from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
 from kvfsm.states import SlotEffect, SlotEvent, SlotState
 
-__all__ = ["CPUOffloadingManager", "Slot", "SlotModel", "is_evictable"]
+__all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel", "is_evictable"]
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
 _READABLE = (SlotState.READY, SlotState.READING)
@@ -41,6 +41,45 @@ def is_evictable(state: SlotState) -> bool:
     function, so a bug planted here is seen by both.
     """
     return state is SlotState.READY
+
+
+@dataclass(slots=True)
+class CPUCounters:
+    """What a CPU manager has counted since it was built (a reset keeps the counts)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_pending: int = 0
+    evictions: int = 0
+    stores_committed: int = 0
+    stores_failed: int = 0
+    promotions_committed: int = 0
+    promotions_failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CPUStats:
+    """A snapshot of a CPU manager: its counters and its slots now."""
+
+    lookups: int
+    hits: int
+    misses: int
+    hit_pending: int
+    evictions: int
+    stores_committed: int
+    stores_failed: int
+    promotions_committed: int
+    promotions_failed: int
+    num_slots: int
+    used: int
+    writing: int
+    ready: int
+    reading: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The same numbers by field name (logs, JSON, metrics)."""
+        return asdict(self)
 
 
 def _show(key: OffloadKey) -> str:
@@ -152,20 +191,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_ready = 0
         self._num_reading = 0
         self._events: list[OffloadingEvent] = []
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "hits",
-                "misses",
-                "hit_pending",
-                "evictions",
-                "stores_committed",
-                "stores_failed",
-                "promotions_committed",
-                "promotions_failed",
-            ),
-            0,
-        )
+        self._stats = CPUCounters()
 
     # -- introspection --
 
@@ -226,28 +252,29 @@ class CPUOffloadingManager(OffloadingManager):
     def __contains__(self, key: object) -> bool:
         return key in self._slots
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._stats,
-            "num_slots": self._num_slots,
-            "used": len(self._slots),
-            "writing": self._num_writing,
-            "ready": self._num_ready,
-            "reading": self._num_reading,
-        }
+    def stats(self) -> CPUStats:
+        return CPUStats(
+            **asdict(self._stats),
+            num_slots=self._num_slots,
+            used=len(self._slots),
+            writing=self._num_writing,
+            ready=self._num_ready,
+            reading=self._num_reading,
+        )
 
     # -- OffloadingManager --
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        self._stats["lookups"] += 1
+        stats = self._stats
+        stats.lookups += 1
         slot = self._slots.get(key)
         if slot is None:
-            self._stats["misses"] += 1
+            stats.misses += 1
             return LookupResult.MISS
         if slot.state is SlotState.WRITING:
-            self._stats["hit_pending"] += 1
+            stats.hit_pending += 1
             return LookupResult.HIT_PENDING
-        self._stats["hits"] += 1
+        stats.hits += 1
         return LookupResult.HIT
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
@@ -277,7 +304,7 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent)."""
         writing = [k for k in dict.fromkeys(keys) if self.slot_state(k) is SlotState.WRITING]
-        self._finish_writes(writing, success, "stores")
+        self._finish_writes(writing, success, promotion=False)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
@@ -334,7 +361,7 @@ class CPUOffloadingManager(OffloadingManager):
                 raise InvalidTransition(
                     "slot", str(state), str(event), f"key {_show(key)} is not being written; expected writing"
                 )
-        self._finish_writes(unique, success, "promotions")
+        self._finish_writes(unique, success, promotion=True)
 
     def prepare_read(self, keys: Sequence[OffloadKey]) -> SlotSpec:
         """Pin readable keys (ready or reading) until :meth:`complete_read`; one reader per listing."""
@@ -425,12 +452,12 @@ class CPUOffloadingManager(OffloadingManager):
                     pass
             self._free_ids.append(slot.slot_id)
         self._num_ready -= len(victims)
-        self._stats["evictions"] += len(victims)
+        self._stats.evictions += len(victims)
         if removed and self.enable_events:
             self._events.append(OffloadingEvent(tuple(removed), self._medium, removed=True))
 
-    def _finish_writes(self, writing: list[OffloadKey], success: bool, counter: str) -> None:
-        """``writing`` holds distinct keys, all in the writing state; ``counter`` names the stats pair."""
+    def _finish_writes(self, writing: list[OffloadKey], success: bool, *, promotion: bool) -> None:
+        """``writing`` holds distinct keys, all in the writing state, of GPU stores or of promotions."""
         if not writing:
             return
         if success:
@@ -444,7 +471,10 @@ class CPUOffloadingManager(OffloadingManager):
                         pass
                 self._policy.insert(key, evictable=is_evictable(slot.state))
             self._num_ready += len(writing)
-            self._stats[f"{counter}_committed"] += len(writing)
+            if promotion:
+                self._stats.promotions_committed += len(writing)
+            else:
+                self._stats.stores_committed += len(writing)
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
@@ -452,7 +482,10 @@ class CPUOffloadingManager(OffloadingManager):
                 slot = self._slots.pop(key)
                 slot.abort_write()
                 self._free_ids.append(slot.slot_id)
-            self._stats[f"{counter}_failed"] += len(writing)
+            if promotion:
+                self._stats.promotions_failed += len(writing)
+            else:
+                self._stats.stores_failed += len(writing)
         self._num_writing -= len(writing)
 
     def _alloc_id(self) -> int:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
-from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.cpu import CPUOffloadingManager, CPUStats
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
 from kvfsm.control.types import (
@@ -40,11 +40,61 @@ from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
 from kvfsm.states import JobEffect, JobEvent, JobKind, JobState, SlotState
 
-__all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringManager"]
+__all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringCounters", "TieringManager", "TieringStats"]
 
 logger = logging.getLogger(__name__)
 
 _NO_GPU = GPUBlockSpec(())
+
+
+@dataclass(slots=True)
+class TieringCounters:
+    """What a tiering manager has counted (promotions in keys, cascades in jobs)."""
+
+    secondary_hits: int = 0
+    promotions_reserved: int = 0
+    promotions_submitted: int = 0
+    promotions_completed: int = 0
+    promotions_failed: int = 0
+    promotions_dropped: int = 0
+    cascades_submitted: int = 0
+    cascades_completed: int = 0
+    cascades_failed: int = 0
+    cascades_dropped: int = 0
+    cascade_probes: int = 0
+    cascades_timed_out: int = 0
+    promotions_timed_out: int = 0
+    late_results: int = 0
+    transfers_abandoned: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TieringStats:
+    """A snapshot of a tiering manager: its counters, its transfers now, and its primary's stats."""
+
+    primary: CPUStats
+    secondary_hits: int
+    promotions_reserved: int
+    promotions_submitted: int
+    promotions_completed: int
+    promotions_failed: int
+    promotions_dropped: int
+    cascades_submitted: int
+    cascades_completed: int
+    cascades_failed: int
+    cascades_dropped: int
+    cascade_probes: int
+    cascades_timed_out: int
+    promotions_timed_out: int
+    late_results: int
+    transfers_abandoned: int
+    transfer_jobs_in_flight: int
+    transfers_quarantined: int
+
+    def as_dict(self) -> dict[str, int]:
+        """Every number by name, the primary's first (logs, JSON, metrics)."""
+        own = {k: v for k, v in asdict(self).items() if k != "primary"}
+        return {**self.primary.as_dict(), **own}
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,26 +222,7 @@ class TieringManager(OffloadingManager):
         # Per tier: cascades in flight, job id -> submission time (oldest first).
         self._cascades_inflight: list[dict[int, float]] = [{} for _ in self._tiers]
         self._abandoned = False  # shutdown gave up on every transfer: nothing is pending any more
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "secondary_hits",
-                "promotions_reserved",
-                "promotions_submitted",
-                "promotions_completed",
-                "promotions_failed",
-                "promotions_dropped",
-                "cascades_submitted",
-                "cascades_completed",
-                "cascades_failed",
-                "cascades_dropped",
-                "cascade_probes",
-                "cascades_timed_out",
-                "promotions_timed_out",
-                "late_results",
-                "transfers_abandoned",
-            ),
-            0,
-        )
+        self._stats = TieringCounters()
 
     # -- introspection --
 
@@ -233,13 +264,13 @@ class TieringManager(OffloadingManager):
         """Keys reserved for promotion and not yet submitted (O(tiers x requests queued this step))."""
         return sum(len(keys) for per_req in self._queued for keys in per_req.values())
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._primary.stats(),
-            **self._stats,
-            "transfer_jobs_in_flight": len(self._transfer_jobs),
-            "transfers_quarantined": len(self._quarantine),
-        }
+    def stats(self) -> TieringStats:
+        return TieringStats(
+            primary=self._primary.stats(),
+            **asdict(self._stats),
+            transfer_jobs_in_flight=len(self._transfer_jobs),
+            transfers_quarantined=len(self._quarantine),
+        )
 
     # -- OffloadingManager --
 
@@ -252,12 +283,12 @@ class TieringManager(OffloadingManager):
         for i, tier in enumerate(self._tiers):
             answer = tier.lookup(key, ctx)
             if answer is LookupResult.HIT:
-                self._stats["secondary_hits"] += 1
+                self._stats.secondary_hits += 1
                 # Reserve now so later lookups see HIT_PENDING and never promote the key twice.
                 if self._primary.prepare_write([key]) is None:
                     return LookupResult.MISS  # primary full: a miss, not a retry loop
                 self._queued[i].setdefault(ctx.req_id, []).append(key)
-                self._stats["promotions_reserved"] += 1
+                self._stats.promotions_reserved += 1
                 return LookupResult.HIT_PENDING
             if answer is LookupResult.RETRY:
                 retry = True
@@ -286,12 +317,12 @@ class TieringManager(OffloadingManager):
         now = self._clock()
         for i, tier in enumerate(self._tiers):
             if not self._admit_cascade(i, now):
-                self._stats["cascades_dropped"] += 1  # never a job: nothing pinned, the CPU copy stays
+                self._stats.cascades_dropped += 1  # never a job: nothing pinned, the CPU copy stays
                 continue
             spec = primary.prepare_read(keys_t)  # pinned until the cascade finishes
             job = self._new_job(JobKind.CASCADE, ctx.req_id, keys_t, spec)
             self._submit(i, job, tier.submit_store, partial(primary.complete_read, keys_t))
-            self._stats["cascades_submitted"] += 1
+            self._stats.cascades_submitted += 1
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._primary.touch(keys, ctx)
@@ -401,7 +432,7 @@ class TieringManager(OffloadingManager):
         primary = self._primary
         for q in self._quarantine.values():
             self._release(q.job, q.tier, invalidate=False)
-            self._stats["transfers_abandoned"] += 1
+            self._stats.transfers_abandoned += 1
         self._quarantine.clear()
         for inflight in self._cascades_inflight:
             inflight.clear()
@@ -450,7 +481,7 @@ class TieringManager(OffloadingManager):
         if not bp.under_pressure:
             return True
         if not inflight:
-            self._stats["cascade_probes"] += 1
+            self._stats.cascade_probes += 1
             return True
         return False
 
@@ -468,9 +499,9 @@ class TieringManager(OffloadingManager):
             bp = self._backpressure[rec.tier]
             if bp is not None:
                 bp.on_completed(now - rec.submitted_at)  # a timeout is a latency at least this long
-            self._stats["cascades_timed_out"] += 1
+            self._stats.cascades_timed_out += 1
         else:
-            self._stats["promotions_timed_out"] += len(job.keys)
+            self._stats.promotions_timed_out += len(job.keys)
 
     def _release(self, job: Job, tier_idx: int, *, invalidate: bool) -> None:
         """The RELEASE effect: a promotion frees its slot (and, with ``invalidate``, the tier forgets its
@@ -493,7 +524,7 @@ class TieringManager(OffloadingManager):
                 slots = SlotSpec(tuple(self._slot_id(k) for k in keys_t))
                 job = self._new_job(JobKind.PROMOTE, req_id, keys_t, slots)
                 self._submit(i, job, tier.submit_load, partial(primary.complete_write, keys_t, False))
-                self._stats["promotions_submitted"] += len(keys_t)
+                self._stats.promotions_submitted += len(keys_t)
 
     def _slot_id(self, key: OffloadKey) -> int:
         sid = self._primary.slot_id(key)
@@ -505,7 +536,7 @@ class TieringManager(OffloadingManager):
         for per_req in self._queued:
             for keys in per_req.values():
                 self._primary.complete_write(keys, False)
-                self._stats["promotions_dropped"] += len(keys)
+                self._stats.promotions_dropped += len(keys)
             per_req.clear()
 
     def _maybe_poll(self) -> None:
@@ -557,7 +588,7 @@ class TieringManager(OffloadingManager):
             if late is not None:
                 # Timed out already (its RELEASE is pending): a late success never commits.
                 late.report()
-                self._stats["late_results"] += 1
+                self._stats.late_results += 1
                 self._release(late.job, late.tier, invalidate=not res.success)
                 continue
             rec = self._transfer_jobs.pop(res.job_id)
@@ -569,11 +600,11 @@ class TieringManager(OffloadingManager):
                 case JobEffect.RELEASE:
                     if job.kind is JobKind.CASCADE:
                         self._cascades_inflight[tier_idx].pop(job.job_id, None)
-                        self._stats["cascades_failed"] += 1
+                        self._stats.cascades_failed += 1
                     else:
                         # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
                         # would promote it again forever.
-                        self._stats["promotions_failed"] += len(job.keys)
+                        self._stats.promotions_failed += len(job.keys)
                     self._release(job, tier_idx, invalidate=True)
                 case _:
                     raise AssertionError(f"the one report of {job!r} gave {effect!r}; expected commit or release")
@@ -583,14 +614,14 @@ class TieringManager(OffloadingManager):
         job = rec.job
         if job.kind is JobKind.PROMOTE:
             self._primary.complete_write(job.keys, True)
-            self._stats["promotions_completed"] += len(job.keys)
+            self._stats.promotions_completed += len(job.keys)
             return
         self._cascades_inflight[rec.tier].pop(job.job_id, None)
         bp = self._backpressure[rec.tier]
         if bp is not None:
             bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
         self._primary.complete_read(job.keys)
-        self._stats["cascades_completed"] += 1
+        self._stats.cascades_completed += 1
 
     @staticmethod
     def _invalidate(tier: SecondaryTier, keys: Iterable[OffloadKey]) -> None:

@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import partial
 
@@ -48,7 +48,7 @@ from kvfsm.tiers.lookup import AsyncLookup
 from kvfsm.tiers.pool import DualQueuePool
 from kvfsm.tiers.slotio import SlotIO, slot_nbytes
 
-__all__ = ["FileSystemTier", "ScanState"]
+__all__ = ["FileSystemTier", "FsTierCounters", "FsTierStats", "ScanState"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,64 @@ class _Entry(SlotModel):
     reserved: int  #: bytes counted against the capacity (an estimate while writing)
     info: FileInfo | None = None
     doomed: bool = False  #: invalidated while being read: evicted when the last reader is done
+
+
+@dataclass(slots=True)
+class FsTierCounters:
+    """What a file-system tier has counted since it was built."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    stores_submitted: int = 0
+    stores_committed: int = 0
+    stores_failed: int = 0
+    stores_rejected: int = 0
+    loads_submitted: int = 0
+    loads_completed: int = 0
+    loads_failed: int = 0
+    corrupt_detected: int = 0
+    evictions: int = 0
+    invalidations: int = 0
+    probe_hits: int = 0
+    scan_entries: int = 0
+    temp_files_removed: int = 0
+    bad_files_removed: int = 0
+    old_versions_removed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FsTierStats:
+    """A snapshot of a file-system tier: its counters and its index and I/O now."""
+
+    lookups: int
+    hits: int
+    misses: int
+    retries: int
+    stores_submitted: int
+    stores_committed: int
+    stores_failed: int
+    stores_rejected: int
+    loads_submitted: int
+    loads_completed: int
+    loads_failed: int
+    corrupt_detected: int
+    evictions: int
+    invalidations: int
+    probe_hits: int
+    scan_entries: int
+    temp_files_removed: int
+    bad_files_removed: int
+    old_versions_removed: int
+    entries: int
+    used_bytes: int
+    jobs_in_flight: int
+    io_pending: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The same numbers by field name (logs, JSON, metrics)."""
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,30 +195,7 @@ class FileSystemTier(SecondaryTier):
         self._last_version = 0
         self._payload_hint = 0
         self._closed = False
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "hits",
-                "misses",
-                "retries",
-                "stores_submitted",
-                "stores_committed",
-                "stores_failed",
-                "stores_rejected",
-                "loads_submitted",
-                "loads_completed",
-                "loads_failed",
-                "corrupt_detected",
-                "evictions",
-                "invalidations",
-                "probe_hits",
-                "scan_entries",
-                "temp_files_removed",
-                "bad_files_removed",
-                "old_versions_removed",
-            ),
-            0,
-        )
+        self._stats = FsTierCounters()
         self._pool = DualQueuePool(read_threads, write_threads, name=f"kvfsm-{name}")
         self._lookup: AsyncLookup[OffloadKey, FileInfo | None] = AsyncLookup(
             self._io.probe, None, name=f"kvfsm-{name}-lookup", ttl_steps=lookup_ttl_steps
@@ -222,14 +257,14 @@ class FileSystemTier(SecondaryTier):
     def pending_job_ids(self) -> list[int]:
         return list(self._jobs)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._stats,
-            "entries": len(self._entries),
-            "used_bytes": self._used_bytes,
-            "jobs_in_flight": len(self._jobs),
-            "io_pending": self._pool.pending,
-        }
+    def stats(self) -> FsTierStats:
+        return FsTierStats(
+            **asdict(self._stats),
+            entries=len(self._entries),
+            used_bytes=self._used_bytes,
+            jobs_in_flight=len(self._jobs),
+            io_pending=self._pool.pending,
+        )
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the I/O pool is idle (tests; a real engine polls instead)."""
@@ -256,22 +291,22 @@ class FileSystemTier(SecondaryTier):
     # ------------------------------------------------------------------ SecondaryTier
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        self._stats["lookups"] += 1
+        self._stats.lookups += 1
         self._apply_scan()
         e = self._entries.get(key)
         if e is not None and e.state in _READABLE and not e.doomed:
-            self._stats["hits"] += 1
+            self._stats.hits += 1
             if key in self._ready:
                 self._ready.move_to_end(key)  # a hit is a use: do not evict it before its promotion runs
             return LookupResult.HIT
         if e is not None or self._scan_state is ScanState.DONE:
-            self._stats["misses"] += 1
+            self._stats.misses += 1
             return LookupResult.MISS  # being written (the primary holds it), invalidated, or not on disk
         verdict = self._lookup.lookup(key, ctx.req_id)
         if verdict is None:
-            self._stats["retries"] += 1
+            self._stats.retries += 1
             return LookupResult.RETRY
-        self._stats["misses"] += 1
+        self._stats.misses += 1
         return LookupResult.MISS  # a hit verdict became an entry when it was applied
 
     def submit_store(self, job: TierJob) -> None:
@@ -287,14 +322,14 @@ class FileSystemTier(SecondaryTier):
             size = HEADER.size + len(key) + self._payload_size()
             if not self._make_room(size, 1):
                 ok = False
-                self._stats["stores_rejected"] += 1
+                self._stats.stores_rejected += 1
                 continue
             e = _Entry(key, self._next_version(), size, machine=self._machine)
             e.begin_write()
             self._entries[key] = e
             self._used_bytes += size
             tasks.append((key, slot_id, e.version))
-        self._stats["stores_submitted"] += len(tasks)
+        self._stats.stores_submitted += len(tasks)
         if not tasks:
             self._finished.append(JobResult(job.job_id, ok))
             return
@@ -316,7 +351,7 @@ class FileSystemTier(SecondaryTier):
                 self._ready.pop(key, None)
             e.begin_read()
             tasks.append((key, slot_id, e.info, e.version))
-        self._stats["loads_submitted"] += len(tasks)
+        self._stats.loads_submitted += len(tasks)
         if not tasks:
             self._finished.append(JobResult(job.job_id, ok))
             return
@@ -382,7 +417,7 @@ class FileSystemTier(SecondaryTier):
         e = self._entries.get(key)
         if e is None or e.state is SlotState.WRITING:
             return  # nothing held, or a new copy is being written (that one is not the bad one)
-        self._stats["invalidations"] += 1
+        self._stats.invalidations += 1
         if e.state is SlotState.READY:
             self._evict(e, unlink=True)
         else:
@@ -494,7 +529,7 @@ class FileSystemTier(SecondaryTier):
                 return False
             victim = self._entries[next(iter(self._ready))]
             self._evict(victim, unlink=True)
-            self._stats["evictions"] += 1
+            self._stats.evictions += 1
         return True
 
     def _evict(self, e: _Entry, *, unlink: bool) -> None:
@@ -531,7 +566,10 @@ class FileSystemTier(SecondaryTier):
         self._ready[key] = None
         self._used_bytes += info.size
         self._payload_hint = self._payload_hint or info.payload_len
-        self._stats["probe_hits" if source == "probe" else "scan_entries"] += 1
+        if source == "probe":
+            self._stats.probe_hits += 1
+        else:
+            self._stats.scan_entries += 1
 
     def _apply_scan(self) -> None:
         fut = self._scan_future
@@ -544,9 +582,9 @@ class FileSystemTier(SecondaryTier):
             self._scan_state = ScanState.FAILED
             return
         result = fut.result()
-        self._stats["temp_files_removed"] += result.temp_removed
-        self._stats["bad_files_removed"] += result.bad_removed
-        self._stats["old_versions_removed"] += result.old_versions_removed
+        self._stats.temp_files_removed += result.temp_removed
+        self._stats.bad_files_removed += result.bad_removed
+        self._stats.old_versions_removed += result.old_versions_removed
         ours = list(self._ready)  # entries this instance made meanwhile are more recent than the scanned ones
         for key, info in sorted(result.entries.items(), key=lambda kv: kv[1].version):
             self._adopt(key, info, source="scan")
@@ -590,28 +628,28 @@ class FileSystemTier(SecondaryTier):
             e.reserved = r.info.size
             self._ready[e.key] = None
             self._payload_hint = r.info.payload_len
-            self._stats["stores_committed"] += 1
+            self._stats.stores_committed += 1
             if self._over(0, 0):
                 self._make_room(0, 0)
             return
         e.abort_write()
         del self._entries[e.key]
         self._used_bytes -= e.reserved
-        self._stats["stores_failed"] += 1
+        self._stats.stores_failed += 1
 
     def _apply_load(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.state is not SlotState.READING or e.version != r.version:
             return
         e.end_read()
         if r.ok:
-            self._stats["loads_completed"] += 1
+            self._stats.loads_completed += 1
         else:
-            self._stats["loads_failed"] += 1
+            self._stats.loads_failed += 1
             if r.corrupt:
-                self._stats["corrupt_detected"] += 1
+                self._stats.corrupt_detected += 1
             if not r.cancelled:
                 e.doomed = True  # its own read failed: never promote it again
-                self._stats["invalidations"] += 1
+                self._stats.invalidations += 1
         if e.current() is SlotState.READY:
             if e.doomed:
                 self._evict(e, unlink=True)  # the reader may have removed it already: a quiet no-op then
