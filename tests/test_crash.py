@@ -28,6 +28,7 @@ import pytest
 from tier_support import GUARD_S, SLOT_BYTES, fs_rig, temp_files
 
 import kvfsm
+from kvfsm.control.types import OffloadKey
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -109,7 +110,7 @@ while True:
 
 _ns: dict[str, object] = {}
 exec(BLOCK_DATA, _ns)
-block_key = cast(Callable[[int], bytes], _ns["block_key"])
+block_key = cast(Callable[[int], OffloadKey], _ns["block_key"])
 block_data = cast(Callable[[int, int], bytes], _ns["block_data"])
 
 CASES = (

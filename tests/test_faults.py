@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_rules_fire_by_pattern_key_after_and_times() -> None:
 
 
 def test_probabilities_are_seeded_and_independent_of_interleaving() -> None:
-    def decisions(seed: int, order: list[tuple[str, bytes]]) -> dict[tuple[str, bytes, int], bool]:
+    def decisions(seed: int, order: Sequence[tuple[str, bytes]]) -> dict[tuple[str, bytes, int], bool]:
         plan = FaultPlan([FaultRule("*", FaultKind.EIO, probability=0.25)], seed=seed)
         seen: dict[tuple[str, bytes], int] = {}
         out = {}

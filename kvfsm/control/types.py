@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NewType
 
 from kvfsm.states import JobKind
 
@@ -20,11 +21,11 @@ __all__ = [
 ]
 
 #: A chunk's identity in every tier: the block hash of its last hash-block plus the group index.
-OffloadKey = bytes
+OffloadKey = NewType("OffloadKey", bytes)
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
-    return block_hash + group_idx.to_bytes(4, "big")
+    return OffloadKey(block_hash + group_idx.to_bytes(4, "big"))
 
 
 class LookupResult(Enum):

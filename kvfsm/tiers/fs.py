@@ -248,7 +248,7 @@ class FileSystemTier(SecondaryTier):
         return [k for k, e in self._entries.items() if e.state in _READABLE and not e.doomed]
 
     def __contains__(self, key: object) -> bool:
-        e = self._entries.get(key) if isinstance(key, bytes) else None
+        e = self._entries.get(OffloadKey(key)) if isinstance(key, bytes) else None
         return e is not None and e.state in _READABLE and not e.doomed
 
     def __len__(self) -> int:
