@@ -1,7 +1,7 @@
 """kvfsm: KV-cache offloading for LLM inference engines, driven by formally specified state machines.
 
-``import kvfsm`` needs only ``transitions``; the data plane (``kvfsm.data``) and the reference engine
-(``kvfsm.engine``) need the ``torch`` extra.
+``import kvfsm`` needs only ``transitions`` and ``typing_extensions``; the data plane (``kvfsm.data``) and
+the reference engine (``kvfsm.engine``) need the ``torch`` extra.
 """
 
 from __future__ import annotations

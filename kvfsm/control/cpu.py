@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from dataclasses import asdict, dataclass, field
 
+from typing_extensions import override
+
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.policies import CachePolicy, make_policy
 from kvfsm.control.types import (
@@ -225,6 +227,7 @@ class CPUOffloadingManager(OffloadingManager):
     def policy(self) -> CachePolicy:
         return self._policy
 
+    @override
     @property
     def primary(self) -> CPUOffloadingManager:
         """A CPU manager is its own primary."""
@@ -264,6 +267,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         stats = self._stats
         stats.lookups += 1
@@ -277,12 +281,15 @@ class CPUOffloadingManager(OffloadingManager):
         stats.hits += 1
         return LookupResult.HIT
 
+    @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         return self.prepare_read(keys)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.complete_read(keys)
 
+    @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         new_keys: list[OffloadKey] = []
         seen: set[OffloadKey] = set()
@@ -301,18 +308,22 @@ class CPUOffloadingManager(OffloadingManager):
         slot_ids, evicted = reserved
         return PrepareStoreOutput(tuple(new_keys), SlotSpec(slot_ids), evicted)
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent)."""
         writing = [k for k in dict.fromkeys(keys) if self.slot_state(k) is SlotState.WRITING]
         self._finish_writes(writing, success, promotion=False)
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
+    @override
     def reset_cache(self) -> None:
         """Drop everything: RESET every slot, then clear the policy, the allocator and the counts.
 

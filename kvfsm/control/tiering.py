@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 
+from typing_extensions import override
+
 from kvfsm.control.cpu import CPUOffloadingManager, CPUStats
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
@@ -226,6 +228,7 @@ class TieringManager(OffloadingManager):
 
     # -- introspection --
 
+    @override
     @property
     def primary(self) -> CPUOffloadingManager:
         """The CPU primary in front of the tiers."""
@@ -235,11 +238,13 @@ class TieringManager(OffloadingManager):
     def tiers(self) -> tuple[SecondaryTier, ...]:
         return self._tiers
 
+    @override
     @property
     def num_transfer_jobs(self) -> int:
         """Primary <-> tier jobs submitted and not yet applied (timed-out ones are quarantined instead)."""
         return len(self._transfer_jobs)
 
+    @override
     def transfer_in_flight(self, job_id: int) -> bool:
         return job_id in self._transfer_jobs
 
@@ -274,6 +279,7 @@ class TieringManager(OffloadingManager):
 
     # -- OffloadingManager --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._maybe_poll()
         result = self._primary.lookup(key, ctx)
@@ -294,18 +300,22 @@ class TieringManager(OffloadingManager):
                 retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         self._maybe_poll()
         return self._primary.prepare_load(keys, ctx)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._primary.complete_load(keys, ctx)
 
+    @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         # Poll first: finished cascades unpin slots that this eviction decision may then take.
         self._maybe_poll()
         return self._primary.prepare_store(keys, ctx)
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         primary = self._primary
         # Only keys this call commits are cascaded (a repeated or post-reset completion cascades nothing).
@@ -324,17 +334,21 @@ class TieringManager(OffloadingManager):
             self._submit(i, job, tier.submit_store, partial(primary.complete_read, keys_t))
             self._stats.cascades_submitted += 1
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._primary.touch(keys, ctx)
         for tier in self._tiers:
             tier.touch(keys, ctx)
 
+    @override
     def on_new_request(self, ctx: ReqContext) -> None:
         self._primary.on_new_request(ctx)
 
+    @override
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._primary.on_request_finished(ctx)
 
+    @override
     def on_schedule_end(self) -> None:
         self._poll()
         self.expire_transfers()
@@ -344,6 +358,7 @@ class TieringManager(OffloadingManager):
         self._polled = False
         self._primary.on_schedule_end()
 
+    @override
     def has_pending_work(self) -> bool:
         """In-flight transfers, or a tier's own work. O(tiers): never walks the jobs.
 
@@ -357,12 +372,14 @@ class TieringManager(OffloadingManager):
             return True
         return any(tier.has_pending_work() for tier in self._tiers)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events = self._primary.take_events()
         for tier in self._tiers:
             events.extend(tier.take_events())
         return events
 
+    @override
     def reset_cache(self) -> None:
         """Drain every tier (blocking), apply the results, drop queued promotions, reset the primary.
 
@@ -400,6 +417,7 @@ class TieringManager(OffloadingManager):
         self._expiry.compact(self._transfer_jobs, len(self._transfer_jobs))
         return n
 
+    @override
     def abandon_transfers(self) -> int:
         """Shutdown gives up: every transfer times out, queued promotions are dropped, and from now on
         nothing is pending work. Slots stay quarantined until the tiers report (or shutdown releases
@@ -412,6 +430,7 @@ class TieringManager(OffloadingManager):
         self._abandoned = True
         return len(recs)
 
+    @override
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut the tiers down (each within the time left, on a helper thread when bounded), apply what
         they reported, time out the rest, and release every slot a transfer still held: afterwards no

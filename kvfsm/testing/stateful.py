@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
@@ -148,9 +149,11 @@ class RecordingTier(SecondaryTier):
         nothing, so a failed promotion may be retried)."""
         return type(self.inner).invalidate is not SecondaryTier.invalidate
 
+    @override
     def invalidate(self, key: OffloadKey) -> None:
         self.inner.invalidate(key)
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         answer: object = self.inner.lookup(key, ctx)
         if not isinstance(answer, LookupResult):
@@ -175,12 +178,15 @@ class RecordingTier(SecondaryTier):
             self.io.close(job.slot_ids, write=promotion)
             raise
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self._submit(job, promotion=False)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._submit(job, promotion=True)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = list(self.inner.get_finished_jobs())
         for res in results:
@@ -196,21 +202,27 @@ class RecordingTier(SecondaryTier):
                 self.failed_promotions.extend(job.keys)
         return results
 
+    @override
     def has_pending_work(self) -> bool:
         return self.inner.has_pending_work()
 
+    @override
     def drain_jobs(self) -> None:
         self.inner.drain_jobs()
 
+    @override
     def on_schedule_end(self) -> None:
         self.inner.on_schedule_end()
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.inner.touch(keys, ctx)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         return self.inner.take_events()
 
+    @override
     def shutdown(self) -> None:
         self.inner.shutdown()
 

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
@@ -120,10 +121,12 @@ class CountingCPUManager(CPUOffloadingManager):
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         self.hook(JobKind.STORE, keys)
         super().complete_store(keys, ctx, success)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.hook(JobKind.LOAD, keys)
         super().complete_load(keys, ctx)
@@ -136,10 +139,12 @@ class CountingTieringManager(TieringManager):
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         self.hook(JobKind.STORE, keys)
         super().complete_store(keys, ctx, success)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.hook(JobKind.LOAD, keys)
         super().complete_load(keys, ctx)

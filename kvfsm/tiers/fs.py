@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import partial
 
+from typing_extensions import override
+
 from kvfsm.control.cpu import SlotModel
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
@@ -290,6 +292,7 @@ class FileSystemTier(SecondaryTier):
 
     # ------------------------------------------------------------------ SecondaryTier
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._stats.lookups += 1
         self._apply_scan()
@@ -309,6 +312,7 @@ class FileSystemTier(SecondaryTier):
         self._stats.misses += 1
         return LookupResult.MISS  # a hit verdict became an entry when it was applied
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         io = self._check_submission(job, promotion=False)
         del io
@@ -338,6 +342,7 @@ class FileSystemTier(SecondaryTier):
             fut = self._pool.submit_write(self._write_block, key, slot_id, version)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, True, version))
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._check_submission(job, promotion=True)
         tasks: list[tuple[OffloadKey, int, FileInfo, int]] = []
@@ -360,12 +365,14 @@ class FileSystemTier(SecondaryTier):
             fut = self._pool.submit_read(self._load_block, key, slot_id, info)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, False, version))
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._apply_scan()
         self._apply_done()
         finished, self._finished = self._finished, []
         return finished
 
+    @override
     def has_pending_work(self) -> bool:
         """Always False. Its cascades and promotions are counted by the tiering manager as jobs, and a
         lookup probe's answer matters only to a request that is waiting for it, which keeps the engine
@@ -377,10 +384,12 @@ class FileSystemTier(SecondaryTier):
         """Lookup probes queued or in flight (their answers are applied by the next step)."""
         return not self._closed and self._lookup.has_pending()
 
+    @override
     def drain_jobs(self) -> None:
         """Block until every queued or running I/O task has finished (reset_cache only)."""
         self._pool.wait_idle()
 
+    @override
     def on_schedule_end(self) -> None:
         self._apply_scan()
         if self._closed:
@@ -389,16 +398,19 @@ class FileSystemTier(SecondaryTier):
             if info is not None:
                 self._adopt(key, info, source="probe")
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         ready = self._ready
         for key in reversed(keys):
             if key in ready:
                 ready.move_to_end(key)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
+    @override
     def invalidate(self, key: OffloadKey) -> None:
         """The manager's hook after a failed promotion (called for every key of the job).
 
@@ -423,6 +435,7 @@ class FileSystemTier(SecondaryTier):
         else:
             e.doomed = True
 
+    @override
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop: cancel queued I/O (those tasks report failure), wake injected hangs, join the threads.
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from typing_extensions import override
+
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from kvfsm.errors import ConfigError, UnknownJobError
@@ -87,6 +89,7 @@ class InMemoryTier(SecondaryTier):
         """Hold ``key`` (as most recent) without a job, e.g. data left by an earlier process."""
         self._insert([(key, data)])
 
+    @override
     def invalidate(self, key: OffloadKey) -> None:
         """Forget ``key`` (a failed promotion showed its copy is bad); a key not held is ignored."""
         if key in self._keys:
@@ -108,29 +111,36 @@ class InMemoryTier(SecondaryTier):
 
     # -- SecondaryTier --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.HIT if key in self._keys else LookupResult.MISS
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self._submit(job, promotion=False)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._submit(job, promotion=True)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self._autocomplete:
             self.complete_all()
         finished, self._finished = self._finished, []
         return finished
 
+    @override
     def drain_jobs(self) -> None:
         self.complete_all()
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         for key in reversed(keys):
             if key in self._keys:
                 self._keys.move_to_end(key)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
