@@ -431,8 +431,7 @@ def test_tier_rejects_malformed_jobs_and_use_after_shutdown(tmp_path: Path) -> N
     assert isinstance(io, DictSlotIO)
     io.data[0] = payload(k(0))
     gate = FaultPlan([FaultRule("fs.write", FaultKind.HANG)])
-    tier.faults = gate
-    tier._io.faults = gate
+    tier.faults = gate  # the tier's and its block I/O's
     tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))
     with pytest.raises(DuplicateJobError, match="already runs job 1"):
         tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))

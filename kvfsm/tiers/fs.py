@@ -181,7 +181,7 @@ class FileSystemTier(SecondaryTier):
                 raise ConfigError(f"tier {name!r}: {what}={cap!r}; expected an int >= 1 or None")
         self.name = name
         self.slot_io = slot_io
-        self.faults = faults
+        self._faults = faults
         self.capacity_bytes = capacity_bytes
         self.capacity_files = capacity_files
         self._cancel = threading.Event()
@@ -215,6 +215,16 @@ class FileSystemTier(SecondaryTier):
             self._scan_thread.start()
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """The fault plan consulted at every file and slot operation (tests may swap it at any time)."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan | None) -> None:
+        self._faults = plan
+        self._io.faults = plan
 
     @property
     def root(self) -> str:
