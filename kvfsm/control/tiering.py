@@ -480,8 +480,8 @@ class TieringManager(OffloadingManager):
             submit(tier_job)
         except BaseException:
             del self._transfer_jobs[job.job_id]
-            job.fail()
-            rollback()
+            if job.fail() is JobEffect.RELEASE:  # the tier's one report: a refusal releases the job
+                rollback()
             raise
         if job.kind is JobKind.CASCADE:
             self._cascades_inflight[tier_idx][job.job_id] = now

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NewType
 
-from kvfsm.states import JobKind
-
 __all__ = [
     "GPUBlockSpec",
     "LookupResult",
@@ -16,7 +14,6 @@ __all__ = [
     "PrepareStoreOutput",
     "ReqContext",
     "SlotSpec",
-    "TransferJob",
     "make_offload_key",
 ]
 
@@ -71,14 +68,3 @@ class OffloadingEvent:
     keys: tuple[OffloadKey, ...]
     medium: str
     removed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class TransferJob:
-    """One job as the worker sees it. Stores copy gpu -> slots; loads copy slots -> gpu."""
-
-    job_id: int
-    req_id: str
-    kind: JobKind
-    gpu: GPUBlockSpec
-    slots: SlotSpec
