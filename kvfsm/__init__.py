@@ -1,7 +1,7 @@
 """kvfsm: KV-cache offloading for LLM inference engines, driven by formally specified state machines.
 
-``import kvfsm`` needs only ``transitions``; the data plane (``kvfsm.data``) and the reference engine
-(``kvfsm.engine``) need the ``torch`` extra.
+``import kvfsm`` needs only ``transitions`` and ``typing_extensions``; the data plane (``kvfsm.data``) and
+the reference engine (``kvfsm.engine``) need the ``torch`` extra.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from kvfsm.errors import (
     AckCountError,
     ConfigError,
+    DuplicateJobError,
     DuplicateRequestError,
     InvalidTransition,
     KeyNotReadyError,
@@ -18,13 +19,17 @@ from kvfsm.errors import (
     UnknownRequestError,
 )
 from kvfsm.states import (
+    EngineEffect,
     EngineEvent,
     EngineState,
+    JobEffect,
     JobEvent,
     JobKind,
     JobState,
+    RequestEffect,
     RequestEvent,
     RequestState,
+    SlotEffect,
     SlotEvent,
     SlotState,
 )
@@ -34,17 +39,22 @@ __version__ = "0.1.0"
 __all__ = [
     "AckCountError",
     "ConfigError",
+    "DuplicateJobError",
     "DuplicateRequestError",
+    "EngineEffect",
     "EngineEvent",
     "EngineState",
     "InvalidTransition",
+    "JobEffect",
     "JobEvent",
     "JobKind",
     "JobState",
     "KeyNotReadyError",
     "KvfsmError",
+    "RequestEffect",
     "RequestEvent",
     "RequestState",
+    "SlotEffect",
     "SlotEvent",
     "SlotState",
     "SpecError",

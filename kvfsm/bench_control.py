@@ -229,7 +229,7 @@ def replay(
     t0 = time.perf_counter()
     _replay_timed(manager, requests, in_flight, result)
     result.timed_wall_s = time.perf_counter() - t0
-    result.evictions = manager.stats()["evictions"]
+    result.evictions = manager.stats().evictions
     if manager.num_writing or manager.num_reading:
         raise AssertionError(f"replay left slots pinned: {manager.stats()}")
     # Best of the untimed passes, as timeit does: other load on the machine only ever adds time.

@@ -123,8 +123,8 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
         f"allocation failures {s.allocation_failures}"
     )
     print(
-        f"  CPU tier: lookups {m['lookups']}, hits {m['hits']}, misses {m['misses']}, "
-        f"hit_pending {m['hit_pending']}, evictions {m['evictions']}"
+        f"  CPU tier: lookups {m.lookups}, hits {m.hits}, misses {m.misses}, "
+        f"hit_pending {m.hit_pending}, evictions {m.evictions}"
     )
     integ = engine.integrity
     print(

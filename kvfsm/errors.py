@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AckCountError",
     "ConfigError",
+    "DuplicateJobError",
     "DuplicateRequestError",
     "InvalidTransition",
     "KeyNotReadyError",
@@ -50,6 +51,10 @@ class UnknownJobError(KvfsmError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown job"
+
+
+class DuplicateJobError(KvfsmError, ValueError):
+    """A job id that is still in flight was submitted again (to the same tier)."""
 
 
 class AckCountError(KvfsmError, ValueError):

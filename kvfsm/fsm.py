@@ -8,14 +8,22 @@ proves the table equal to the Machine over every (state, event, guard valuation)
 
 In checked mode (``KVFSM_CHECKED=1`` or ``checked=True``) every fire also runs through transitions
 itself and any disagreement raises :class:`~kvfsm.errors.SpecError`.
+
+``fire`` returns the transition's effect as a member of the machine's effect enum
+(:mod:`kvfsm.states`), for the caller to carry out (h2-style). Transition tracers are registered with
+:func:`add_tracer` / :func:`remove_tracer` (any number, removed in any order). Tests plant a wrong guard
+or table row through :meth:`SpecMachine.planted`, never by touching the compiled table.
+The rules these machines follow are written down in ``spec/README.md``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
 from transitions import Machine, MachineError
@@ -25,18 +33,27 @@ from kvfsm.spec_loader import MachineSpec, load_machine
 
 __all__ = [
     "CompiledEdge",
+    "Guard",
     "SpecMachine",
     "Stateful",
+    "TracerHandle",
+    "TransitionTracer",
+    "add_tracer",
     "build_transitions_machine",
     "checked_mode_default",
     "compile_table",
     "evaluate_table",
     "evaluate_transitions",
+    "remove_tracer",
     "set_tracer",
 ]
 
 S = TypeVar("S", bound=StrEnum)
 E = TypeVar("E", bound=StrEnum)
+F = TypeVar("F", bound=StrEnum)
+
+#: A guard: ``(model, arg) -> bool``, pure.
+Guard = Callable[[Any, int], bool]
 
 
 class Stateful(Protocol[S]):
@@ -47,16 +64,64 @@ class Stateful(Protocol[S]):
 
 #: Called after every transition of every spec machine: (machine, model, event, source, dest).
 TransitionTracer = Callable[[str, object, str, str, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TracerHandle:
+    """What :func:`add_tracer` returns; :func:`remove_tracer` takes it back."""
+
+    id: int
+
+
+_tracers: dict[int, TransitionTracer] = {}
+_next_tracer_id = 1
+_LEGACY = TracerHandle(0)  # the one slot ``set_tracer`` replaces
+#: The function ``fire`` calls: None (no tracer), the only tracer, or a fan-out over all of them.
 _tracer: TransitionTracer | None = None
 
 
-def set_tracer(tracer: TransitionTracer | None) -> TransitionTracer | None:
-    """Install a process-wide transition tracer (None removes it); returns the previous one.
-
-    Off by default: the hot path then pays one global None check per transition.
-    """
+def _rebuild_dispatch() -> None:
     global _tracer
-    previous, _tracer = _tracer, tracer
+    tracers = tuple(_tracers.values())
+    if not tracers:
+        _tracer = None
+    elif len(tracers) == 1:
+        _tracer = tracers[0]
+    else:
+
+        def fan_out(machine: str, model: object, event: str, source: str, dest: str) -> None:
+            for tracer in tracers:
+                tracer(machine, model, event, source, dest)
+
+        _tracer = fan_out
+
+
+def add_tracer(tracer: TransitionTracer) -> TracerHandle:
+    """Register a process-wide transition tracer; every registered tracer sees every transition, in
+    registration order. Off by default: the hot path then pays one global None check per transition."""
+    global _next_tracer_id
+    handle = TracerHandle(_next_tracer_id)
+    _next_tracer_id += 1
+    _tracers[handle.id] = tracer
+    _rebuild_dispatch()
+    return handle
+
+
+def remove_tracer(handle: TracerHandle) -> None:
+    """Unregister the tracer ``handle`` names (any order; removing it twice is a no-op)."""
+    if _tracers.pop(handle.id, None) is not None:
+        _rebuild_dispatch()
+
+
+def set_tracer(tracer: TransitionTracer | None) -> TransitionTracer | None:
+    """Replace the one tracer slot kept for simple callers (None empties it); returns what it held.
+
+    Tracers added with :func:`add_tracer` are unaffected and keep running beside it.
+    """
+    previous = _tracers.pop(_LEGACY.id, None)
+    if tracer is not None:
+        _tracers[_LEGACY.id] = tracer
+    _rebuild_dispatch()
     return previous
 
 
@@ -165,58 +230,126 @@ def evaluate_table(
     return None
 
 
-_Edge = tuple[Callable[[Any, int], bool] | None, S, str | None]
+_Edge = tuple[Guard | None, S, F | None]
 
 
-class SpecMachine(Generic[S, E]):
+class SpecMachine(Generic[S, E, F]):
     """One spec machine shared by all of its models; ``fire`` is the only way a model changes state.
 
     Models are plain slotted objects with a ``state`` attribute holding a member of ``state_enum``.
     Guards are functions ``(model, arg) -> bool`` registered by name; the names must be exactly the
-    spec's. ``fire`` returns the transition's effect name (h2-style side effect) for the caller to run.
+    spec's. ``state_enum``, ``event_enum`` and ``effect_enum`` must name exactly the spec's states,
+    events and ``[effects]`` (SpecError otherwise, either direction). ``fire`` returns the transition's
+    effect as an ``effect_enum`` member (h2-style side effect) for the caller to carry out. See
+    ``spec/README.md`` for the rules.
     """
 
-    __slots__ = ("_effects", "_guards", "_machine", "_states", "_table", "checked", "events", "spec")
+    __slots__ = (
+        "_effects",
+        "_guards",
+        "_machine",
+        "_rows",
+        "_states",
+        "_table",
+        "checked",
+        "effects",
+        "events",
+        "spec",
+    )
 
     def __init__(
         self,
         name: str,
         state_enum: type[S],
         event_enum: type[E],
-        guards: Mapping[str, Callable[[Any, int], bool]],
+        effect_enum: type[F],
+        guards: Mapping[str, Guard],
         *,
         checked: bool | None = None,
     ) -> None:
         spec = load_machine(name)
         self.spec = spec
-        code_states = {s.value for s in state_enum}
-        if code_states != set(spec.states):
-            raise SpecError(f"{name}: code states {sorted(code_states)} != spec states {sorted(spec.states)}")
-        code_events = {e.value for e in event_enum}
-        if code_events != set(spec.events):
-            raise SpecError(f"{name}: code events {sorted(code_events)} != spec events {sorted(spec.events)}")
+        for what, enum, declared in (
+            ("states", state_enum, spec.states),
+            ("events", event_enum, spec.events),
+            ("effects", effect_enum, spec.effects),
+        ):
+            code = {m.value for m in enum}
+            if code != set(declared):
+                raise SpecError(f"{name}: code {what} {sorted(code)} != spec {what} {sorted(declared)}")
         if set(guards) != set(spec.guards):
             raise SpecError(f"{name}: code guards {sorted(guards)} != spec guards {sorted(spec.guards)}")
         self._machine = build_transitions_machine(spec)
         self._effects = frozenset(spec.effects)
         self._states = state_enum
         self.events = event_enum
-        raw = compile_table(self._machine)
-        # Resolve names to members and functions once, so the hot path is one dict lookup.
-        self._table: dict[tuple[str, str], tuple[_Edge[S], ...]] = {
-            key: tuple((guards[e.guard] if e.guard else None, state_enum(e.dest), e.effect) for e in edges)
+        self.effects = effect_enum
+        self._guards: dict[str, Guard] = dict(guards)
+        self._rows = compile_table(self._machine)  # by name; ``_table`` is the same, resolved
+        self._table: dict[tuple[str, str], tuple[_Edge[S, F], ...]] = self._resolve(self._rows)
+        self.checked = checked_mode_default() if checked is None else checked
+
+    def _resolve(
+        self, raw: Mapping[tuple[str, str], tuple[CompiledEdge, ...]]
+    ) -> dict[tuple[str, str], tuple[_Edge[S, F], ...]]:
+        """Names to members and functions, once, so that the hot path is one dict lookup."""
+        guards, states, effects = self._guards, self._states, self.effects
+        return {
+            key: tuple(
+                (
+                    guards[e.guard] if e.guard else None,
+                    states(e.dest),
+                    effects(e.effect) if e.effect else None,
+                )
+                for e in edges
+            )
             for key, edges in raw.items()
         }
-        self._guards = dict(guards)
-        self.checked = checked_mode_default() if checked is None else checked
 
     @property
     def machine(self) -> Machine:
         """The transitions Machine the table was compiled from (diagrams, checked mode)."""
         return self._machine
 
+    @property
+    def guards(self) -> Mapping[str, Guard]:
+        """The guard functions by spec name (read-only; tests swap them with :meth:`planted`)."""
+        return MappingProxyType(self._guards)
+
     def table(self) -> dict[tuple[str, str], tuple[CompiledEdge, ...]]:
-        return compile_table(self._machine)
+        """The table ``fire`` uses, by names: equal to ``compile_table(self.machine)`` unless planted."""
+        return dict(self._rows)
+
+    @contextmanager
+    def planted(
+        self,
+        *,
+        guards: Mapping[str, Guard] | None = None,
+        table_edits: Mapping[tuple[str, str], tuple[CompiledEdge, ...] | None] | None = None,
+    ) -> Iterator[SpecMachine[S, E, F]]:
+        """Plant a bug for a test, undone on exit: swap named guards (the compiled table included) and
+        replace (or, with None, delete) rows of the compiled table by ``(state, event)``.
+
+        The transitions Machine is left alone, so checked mode still compares against the spec and
+        catches a planted row. Guard names must be the spec's; edits name spec guards, states, effects.
+        """
+        unknown = set(guards or {}) - set(self._guards)
+        if unknown:
+            raise SpecError(f"{self.spec.name}: cannot plant guards the spec lacks: {sorted(unknown)}")
+        saved = self._guards, self._rows, self._table
+        try:
+            rows = dict(self._rows)
+            for key, edges in (table_edits or {}).items():
+                if edges is None:
+                    rows.pop(key, None)
+                else:
+                    rows[key] = edges
+            self._guards = {**self._guards, **(guards or {})}
+            self._table = self._resolve(rows)
+            self._rows = rows
+            yield self
+        finally:
+            self._guards, self._rows, self._table = saved
 
     def can_fire(self, model: Stateful[S], event: E, arg: int = 0) -> bool:
         for guard, _dest, _effect in self._table.get((model.state, event), ()):
@@ -224,8 +357,11 @@ class SpecMachine(Generic[S, E]):
                 return True
         return False
 
-    def fire(self, model: Stateful[S], event: E, arg: int = 0) -> str | None:
-        """Apply ``event`` to ``model``; raise InvalidTransition (state unchanged) if it is not enabled."""
+    def fire(self, model: Stateful[S], event: E, arg: int = 0) -> F | None:
+        """Apply ``event`` to ``model`` and return the effect to carry out (None: nothing to do).
+
+        Raise InvalidTransition (state unchanged) if no row of the table enables ``event``.
+        """
         state = model.state
         for guard, dest, effect in self._table.get((state, event), ()):
             if guard is None or guard(model, arg):
@@ -240,12 +376,12 @@ class SpecMachine(Generic[S, E]):
         detail = "no guard held" if (state, event) in self._table else ""
         raise InvalidTransition(self.spec.name, str(state), str(event), detail)
 
-    def _check(self, model: Stateful[S], event: E, arg: int, dest: S | None, effect: str | None) -> None:
+    def _check(self, model: Stateful[S], event: E, arg: int, dest: S | None, effect: F | None) -> None:
         def guard(name: str) -> bool:
             return self._guards[name](model, arg)
 
         ref = evaluate_transitions(self._machine, self._effects, str(model.state), str(event), guard)
-        mine = None if dest is None else (str(dest), effect)
+        mine = None if dest is None else (str(dest), None if effect is None else str(effect))
         if ref != mine:
             raise SpecError(
                 f"{self.spec.name}: compiled table gave {mine} but transitions gave {ref} "

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.scheduler import OffloadingScheduler
-from kvfsm.control.tiering import TieringManager
 from kvfsm.spec_loader import load_invariants
 from kvfsm.states import JOB_TERMINAL, EngineState, JobKind, RequestState, SlotState
 
@@ -34,10 +33,7 @@ class Violation:
 
 
 def _primary(view: SystemView) -> CPUOffloadingManager | None:
-    m = view.scheduler.manager
-    if isinstance(m, TieringManager):
-        return m.primary
-    return m if isinstance(m, CPUOffloadingManager) else None
+    return view.scheduler.manager.primary
 
 
 def pending_work_covers_jobs(view: SystemView) -> list[str]:
@@ -47,7 +43,7 @@ def pending_work_covers_jobs(view: SystemView) -> list[str]:
     if live and not s.has_pending_push_work():
         out.append(f"{len(live)} live jobs (first {live[0]!r}) but has_pending_push_work() is False")
     m = s.manager
-    if isinstance(m, TieringManager) and m.num_transfer_jobs and not s.has_pending_push_work():
+    if m.num_transfer_jobs and not s.has_pending_push_work():
         out.append(f"{m.num_transfer_jobs} tier transfers in flight but has_pending_push_work() is False")
     return out
 

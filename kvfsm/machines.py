@@ -1,7 +1,8 @@
 """The spec machines with their guards bound: the only code that says *when* a transition may fire.
 
 Each guard is a function ``(model, arg) -> bool``; ``arg`` is the event's one integer argument (an ack
-count, a worker rank) or 0. Names must match the ``[guards]`` tables in spec/ exactly.
+count, a worker rank) or 0. Names must match the ``[guards]`` tables in spec/ exactly. Each machine is
+typed by its state, event and effect enums from :mod:`kvfsm.states`; the rules are in ``spec/README.md``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from typing import Protocol
 
 from kvfsm.fsm import SpecMachine
 from kvfsm.states import (
+    EngineEffect,
     EngineEvent,
     EngineState,
+    JobEffect,
     JobEvent,
     JobState,
+    RequestEffect,
     RequestEvent,
     RequestState,
+    SlotEffect,
     SlotEvent,
     SlotState,
 )
@@ -89,11 +94,12 @@ def _no_pending_push_work(engine: _EngineModel, _: int) -> bool:
 
 
 @functools.cache
-def job_machine(checked: bool | None = None) -> SpecMachine[JobState, JobEvent]:
+def job_machine(checked: bool | None = None) -> SpecMachine[JobState, JobEvent, JobEffect]:
     return SpecMachine(
         "job",
         JobState,
         JobEvent,
+        JobEffect,
         {
             "worker_not_launched": _worker_not_launched,
             "acks_still_pending": _acks_still_pending,
@@ -106,11 +112,12 @@ def job_machine(checked: bool | None = None) -> SpecMachine[JobState, JobEvent]:
 
 
 @functools.cache
-def slot_machine(checked: bool | None = None) -> SpecMachine[SlotState, SlotEvent]:
+def slot_machine(checked: bool | None = None) -> SpecMachine[SlotState, SlotEvent, SlotEffect]:
     return SpecMachine(
         "slot",
         SlotState,
         SlotEvent,
+        SlotEffect,
         {
             "other_readers_remain": _other_readers_remain,
             "last_reader": _last_reader,
@@ -120,17 +127,18 @@ def slot_machine(checked: bool | None = None) -> SpecMachine[SlotState, SlotEven
 
 
 @functools.cache
-def request_machine(checked: bool | None = None) -> SpecMachine[RequestState, RequestEvent]:
-    return SpecMachine("request", RequestState, RequestEvent, {"no_jobs": _no_jobs}, checked=checked)
+def request_machine(checked: bool | None = None) -> SpecMachine[RequestState, RequestEvent, RequestEffect]:
+    return SpecMachine("request", RequestState, RequestEvent, RequestEffect, {"no_jobs": _no_jobs}, checked=checked)
 
 
 @functools.cache
-def engine_machine() -> SpecMachine[EngineState, EngineEvent]:
+def engine_machine() -> SpecMachine[EngineState, EngineEvent, EngineEffect]:
     """The engine machine always runs through transitions (checked): one instance, a few fires a step."""
     return SpecMachine(
         "engine",
         EngineState,
         EngineEvent,
+        EngineEffect,
         {
             "pending_push_work": _pending_push_work,
             "no_pending_push_work": _no_pending_push_work,

@@ -1,7 +1,7 @@
 """Metrics from the spec machines' transitions, exported through prometheus-client (an optional extra).
 
-:class:`KvfsmMetrics` is a transition tracer (installed with :func:`kvfsm.fsm.set_tracer`, chaining any
-tracer installed before it). Every transition costs O(1): it updates plain Python counters, and the
+:class:`KvfsmMetrics` is a transition tracer (registered with :func:`kvfsm.fsm.add_tracer`, beside
+any other tracer). Every transition costs O(1): it updates plain Python counters, and the
 Prometheus families are built from them only when scraped. So the logic runs, and is tested, without
 prometheus-client; only :meth:`KvfsmMetrics.registry`, :meth:`~KvfsmMetrics.exposition` and
 :meth:`~KvfsmMetrics.serve` need it (``pip install 'kvfsm[metrics]'``).
@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.fsm import TransitionTracer, set_tracer
+from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
 from kvfsm.spec_loader import load_machine
 
 __all__ = [
@@ -127,6 +127,20 @@ def _kind(machine: str, model: object) -> str:
     return str(getattr(kind, "value", kind))
 
 
+def _as_mapping(stats: Callable[[], object]) -> Callable[[], Mapping[str, int]]:
+    """A ``stats()`` that returns a stats dataclass (``as_dict()``) or a mapping, read as a mapping."""
+
+    def read() -> Mapping[str, int]:
+        s = stats()
+        as_dict = getattr(s, "as_dict", None)
+        if callable(as_dict):
+            out: Mapping[str, int] = as_dict()
+            return out
+        return s if isinstance(s, Mapping) else {}
+
+    return read
+
+
 class KvfsmMetrics:
     """Transition-driven metrics and the stuck-job detector (see the module docs)."""
 
@@ -168,21 +182,22 @@ class KvfsmMetrics:
         self._gbps: dict[str, _Histogram] = {}
         self._tiers: dict[str, Callable[[], Mapping[str, int]]] = {}
         self._schedulers: list[Any] = []
-        self._previous: TransitionTracer | None = None
+        self._handle: TracerHandle | None = None
         self._installed = False
 
     # ------------------------------------------------------------------ install
 
     def install(self) -> KvfsmMetrics:
         if not self._installed:
-            self._previous = set_tracer(self)
+            self._handle = add_tracer(self)
             self._installed = True
         return self
 
     def uninstall(self) -> None:
         if self._installed:
-            set_tracer(self._previous)
-            self._previous = None
+            if self._handle is not None:
+                remove_tracer(self._handle)
+            self._handle = None
             self._installed = False
 
     def __enter__(self) -> KvfsmMetrics:
@@ -201,12 +216,12 @@ class KvfsmMetrics:
         """Watch a CPU manager, or a tiering manager's primary and every secondary tier with ``stats()``."""
         primary = getattr(manager, "primary", None)
         if primary is not None and callable(getattr(primary, "stats", None)):
-            self.watch_tier(name, primary.stats)
+            self.watch_tier(name, _as_mapping(primary.stats))
             for i, tier in enumerate(getattr(manager, "tiers", ())):
                 if callable(getattr(tier, "stats", None)):
-                    self.watch_tier(f"{getattr(tier, 'name', 'tier')}{i}", tier.stats)
+                    self.watch_tier(f"{getattr(tier, 'name', 'tier')}{i}", _as_mapping(tier.stats))
         elif callable(getattr(manager, "stats", None)):
-            self.watch_tier(name, manager.stats)  # type: ignore[attr-defined]
+            self.watch_tier(name, _as_mapping(manager.stats))  # type: ignore[attr-defined]
         else:
             raise ConfigError(f"{type(manager).__name__} has no stats(); expected an offloading manager")
 
@@ -238,8 +253,6 @@ class KvfsmMetrics:
     def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
         with self._lock:
             self._on_transition(machine, model, event, source, dest, self.clock())
-        if self._previous is not None:
-            self._previous(machine, model, event, source, dest)
 
     def _on_transition(self, machine: str, model: object, event: str, source: str, dest: str, now: float) -> None:
         self.transitions += 1

@@ -1,7 +1,8 @@
-"""States and events of the four spec machines, as Enums.
+"""States, events and effects of the four spec machines, as Enums.
 
-These mirror spec/*.toml exactly; ``SpecMachine`` refuses to start if they drift, and
-tests/test_spec_conformance.py checks both directions.
+These mirror spec/*.toml exactly (``states``, ``[[transitions]].event`` and ``[effects]``);
+``SpecMachine`` refuses to start if they drift, and tests/test_spec_conformance.py checks both
+directions. What each state means, and why, is in ``spec/README.md``.
 """
 
 from __future__ import annotations
@@ -9,13 +10,18 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "JOB_TERMINAL",
+    "EngineEffect",
     "EngineEvent",
     "EngineState",
+    "JobEffect",
     "JobEvent",
     "JobKind",
     "JobState",
+    "RequestEffect",
     "RequestEvent",
     "RequestState",
+    "SlotEffect",
     "SlotEvent",
     "SlotState",
 ]
@@ -29,12 +35,19 @@ class JobKind(StrEnum):
 
 
 class JobState(StrEnum):
+    #: Planned and emitted in the step's metadata; no worker has launched its shard yet.
     SUBMITTED = "submitted"
+    #: At least one worker launched; reports are still outstanding.
     IN_FLIGHT = "in_flight"
+    #: Every worker acknowledged: committed exactly once (terminal).
     COMPLETE = "complete"
+    #: A worker failed (or a tier refused the job) and every worker has reported (terminal).
     FAILED = "failed"
+    #: Rolled back before any worker launched (terminal).
     CANCELLED = "cancelled"
+    #: Its deadline passed; late reports are ignored by id (terminal).
     TIMED_OUT = "timed_out"
+    #: Discarded by reset_cache; no effect, late reports ignored (terminal).
     STALE = "stale"
 
 
@@ -47,10 +60,22 @@ class JobEvent(StrEnum):
     TIME_OUT = "time_out"
 
 
+class JobEffect(StrEnum):
+    """What the receiver of a job transition must do (spec/job.toml ``[effects]``)."""
+
+    START_COPY = "start_copy"  #: the launching worker starts its shard of the copy
+    COMMIT = "commit"  #: the manager completes the job (complete_store / _load / _write / _read)
+    RELEASE = "release"  #: the manager rolls the job back (frees, unpins, invalidates; quarantine)
+
+
 class SlotState(StrEnum):
+    #: The tier does not hold the key (the slot does not exist).
     ABSENT = "absent"
+    #: A store or promotion is filling it (ref -1); lookups answer HIT_PENDING.
     WRITING = "writing"
+    #: Readable and evictable (ref 0).
     READY = "ready"
+    #: Pinned by n >= 1 loads or cascades (ref n); not evictable.
     READING = "reading"
 
 
@@ -64,14 +89,29 @@ class SlotEvent(StrEnum):
     RESET = "reset"
 
 
+class SlotEffect(StrEnum):
+    """What the tier must do after a slot transition (spec/slot.toml ``[effects]``)."""
+
+    EMIT_STORED = "emit_stored"  #: emit a stored event for the key
+    EMIT_REMOVED = "emit_removed"  #: emit a removed event for the key
+
+
 class RequestState(StrEnum):
+    #: Known to the connector, not yet scheduled.
     TRACKED = "tracked"
+    #: Its lookup is waiting on chunks that are not readable yet (HIT_PENDING / RETRY).
     DEFERRED = "deferred"
+    #: A load job is bringing its offloaded prefix back to the GPU.
     LOADING = "loading"
+    #: Scheduled by the engine; its stores are planned step by step.
     RUNNING = "running"
+    #: The engine preempted it; its GPU blocks are gone.
     PREEMPTED = "preempted"
+    #: Finished; its last stores are planned at the next step, the manager not told yet.
     FINISHED_UNSIGNALLED = "finished_unsignalled"
+    #: Finished and the manager told (on_request_finished); waiting for its jobs to end.
     FINISHED_SIGNALLED = "finished_signalled"
+    #: Forgotten: no job of it remains (terminal).
     DELETED = "deleted"
 
 
@@ -87,12 +127,24 @@ class RequestEvent(StrEnum):
     RESET = "reset"
 
 
+class RequestEffect(StrEnum):
+    """What the connector must do after a request transition (spec/request.toml ``[effects]``)."""
+
+    SIGNAL_MANAGER = "signal_manager"  #: call the manager's on_request_finished, exactly once
+
+
 class EngineState(StrEnum):
+    #: No request and no pending push work: the loop may sleep.
     IDLE = "idle"
+    #: Requests are running.
     RUNNING = "running"
+    #: Every request finished; the finishing step plans their last stores.
     FINISHING = "finishing"
+    #: No request left, push work (jobs or manager work) still pending: keep stepping.
     DRAINING = "draining"
+    #: Shutdown requested: transfers are flushed, bounded by the shutdown timeout.
     SHUTTING_DOWN = "shutting_down"
+    #: Shut down (terminal).
     STOPPED = "stopped"
 
 
@@ -104,6 +156,13 @@ class EngineEvent(StrEnum):
     STOP = "stop"
 
 
+class EngineEffect(StrEnum):
+    """What the engine loop must do after an engine transition (spec/engine.toml ``[effects]``)."""
+
+    FLUSH_ALL = "flush_all"  #: wait (bounded) for every transfer to finish; shutdown only
+
+
+#: The job states no transition leaves.
 JOB_TERMINAL: frozenset[JobState] = frozenset(
     {JobState.COMPLETE, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT, JobState.STALE}
 )

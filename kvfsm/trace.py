@@ -1,7 +1,7 @@
 """A structured trace of every spec-machine transition (NDJSON), and its verification against the spec.
 
 Recording: :class:`TraceRecorder` installs itself as the process-wide transition tracer
-(:func:`kvfsm.fsm.set_tracer`, chaining whatever tracer was there) and writes one JSON object per line::
+(:func:`kvfsm.fsm.add_tracer`, beside any other tracer) and writes one JSON object per line::
 
     {"kvfsm_trace": 1, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
     {"scope": "workload"}                                                                  <- optional
@@ -49,7 +49,7 @@ from types import TracebackType
 from typing import Any, TextIO, TypeGuard
 
 from kvfsm.errors import KvfsmError
-from kvfsm.fsm import TransitionTracer, set_tracer
+from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
 from kvfsm.spec_loader import MACHINE_NAMES, MachineSpec, load_machine
 
 __all__ = [
@@ -112,7 +112,7 @@ class TraceRecorder:
         self._insts: dict[int, tuple[int, object]] = {}
         self._terminal: dict[str, frozenset[str]] = {}
         self._initial: dict[str, str] = {}
-        self._previous: TransitionTracer | None = None
+        self._handle: TracerHandle | None = None
         self._installed = False
         self._lock = threading.Lock()
         self.records = 0
@@ -135,15 +135,16 @@ class TraceRecorder:
             "clock": getattr(self._clock, "__name__", "clock"),
         }
         self._write(header)
-        self._previous = set_tracer(self)
+        self._handle = add_tracer(self)
         self._installed = True
         return self
 
     def stop(self) -> None:
         if not self._installed:
             return
-        set_tracer(self._previous)
-        self._previous = None
+        if self._handle is not None:
+            remove_tracer(self._handle)
+        self._handle = None
         self._installed = False
         self._insts.clear()
         if self._stream is not None:
@@ -201,8 +202,6 @@ class TraceRecorder:
             self.records += 1
             if dest in self._terminal.get(machine, ()) or (machine == "slot" and dest == self._initial["slot"]):
                 del self._insts[key]  # a slot back to absent is a discarded object
-        if self._previous is not None:
-            self._previous(machine, model, event, source, dest)
 
     @staticmethod
     def _extra(machine: str, model: object, rec: dict[str, Any], first: bool) -> None:

@@ -39,21 +39,25 @@ from kvfsm.fsm import (
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.spec_loader import MACHINE_NAMES, load_machine
 from kvfsm.states import (
+    EngineEffect,
     EngineEvent,
     EngineState,
+    JobEffect,
     JobEvent,
     JobState,
+    RequestEffect,
     RequestEvent,
     RequestState,
+    SlotEffect,
     SlotEvent,
     SlotState,
 )
 
-ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum]]] = {
-    "job": (JobState, JobEvent),
-    "slot": (SlotState, SlotEvent),
-    "request": (RequestState, RequestEvent),
-    "engine": (EngineState, EngineEvent),
+ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum], type[StrEnum]]] = {
+    "job": (JobState, JobEvent, JobEffect),
+    "slot": (SlotState, SlotEvent, SlotEffect),
+    "request": (RequestState, RequestEvent, RequestEffect),
+    "engine": (EngineState, EngineEvent, EngineEffect),
 }
 
 
@@ -121,9 +125,9 @@ def test_spec_machine_table_is_the_compiled_table() -> None:
         ("request", request_machine),
         ("engine", engine_machine),
     ):
-        sm: SpecMachine[Any, Any] = factory()
+        sm: SpecMachine[Any, Any, Any] = factory()
         assert sm.table() == compile_table(build_transitions_machine(load_machine(name)))
-        assert set(sm._table) == set(sm.table())
+        assert set(sm.guards) == set(load_machine(name).guards)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def _apply_slot(slot: SlotModel, event: SlotEvent) -> None:
         slot.readers = 0
 
 
-def _fire(sm: SpecMachine[Any, Any], model: Any, event: StrEnum, arg: int) -> tuple[str, str | None]:
+def _fire(sm: SpecMachine[Any, Any, Any], model: Any, event: StrEnum, arg: int) -> tuple[str, str | None]:
     """Fire and report (outcome, effect); outcome is 'ok' or 'invalid'."""
     before = model.state
     try:
@@ -224,7 +228,7 @@ def _count_transitions_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _random_job_run(sm: SpecMachine[JobState, JobEvent], seed: int, n: int = 300) -> list[tuple[str, str]]:
+def _random_job_run(sm: SpecMachine[JobState, JobEvent, JobEffect], seed: int, n: int = 300) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     job = JobModel()
     trace: list[tuple[str, str]] = []
@@ -241,10 +245,10 @@ def _random_job_run(sm: SpecMachine[JobState, JobEvent], seed: int, n: int = 300
 
 def test_checked_mode_runs_every_fire_through_transitions(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_transitions_calls(monkeypatch)
-    fast = SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=False)
+    fast = SpecMachine("job", JobState, JobEvent, JobEffect, job_machine().guards, checked=False)
     fast_trace = _random_job_run(fast, seed=7)
     assert calls == []
-    checked = SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=True)
+    checked = SpecMachine("job", JobState, JobEvent, JobEffect, job_machine().guards, checked=True)
     checked_trace = _random_job_run(checked, seed=7)
     assert len(calls) == len(checked_trace) == 300
     assert checked_trace == fast_trace
@@ -258,20 +262,20 @@ def test_checked_mode_runs_every_fire_through_transitions(monkeypatch: pytest.Mo
 def test_checked_mode_environment_variable(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("KVFSM_CHECKED", value)
     assert checked_mode_default() is expected
-    sm = SpecMachine("slot", SlotState, SlotEvent, slot_machine()._guards)
+    sm = SpecMachine("slot", SlotState, SlotEvent, SlotEffect, slot_machine().guards)
     assert sm.checked is expected
     # An explicit argument wins over the environment.
-    assert SpecMachine("slot", SlotState, SlotEvent, slot_machine()._guards, checked=not expected).checked is (
-        not expected
-    )
+    assert SpecMachine(
+        "slot", SlotState, SlotEvent, SlotEffect, slot_machine().guards, checked=not expected
+    ).checked is (not expected)
 
 
 def test_checked_mode_from_environment_goes_through_transitions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFSM_CHECKED", raising=False)
-    fast_trace = _random_job_run(SpecMachine("job", JobState, JobEvent, job_machine()._guards), seed=11)
+    fast_trace = _random_job_run(SpecMachine("job", JobState, JobEvent, JobEffect, job_machine().guards), seed=11)
     monkeypatch.setenv("KVFSM_CHECKED", "1")
     calls = _count_transitions_calls(monkeypatch)
-    sm = SpecMachine("job", JobState, JobEvent, job_machine()._guards)
+    sm = SpecMachine("job", JobState, JobEvent, JobEffect, job_machine().guards)
     assert sm.checked
     assert _random_job_run(sm, seed=11) == fast_trace
     assert len(calls) == 300
@@ -281,42 +285,69 @@ def test_checked_mode_from_environment_goes_through_transitions(monkeypatch: pyt
 # Tampered tables
 
 
-def _fresh_job_machine(checked: bool) -> SpecMachine[JobState, JobEvent]:
-    return SpecMachine("job", JobState, JobEvent, job_machine()._guards, checked=checked)
+def _fresh_job_machine(checked: bool) -> SpecMachine[JobState, JobEvent, JobEffect]:
+    return SpecMachine("job", JobState, JobEvent, JobEffect, job_machine().guards, checked=checked)
 
 
-def test_tampered_destination_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tampered_destination_is_caught_in_checked_mode() -> None:
     key = (JobState.SUBMITTED.value, JobEvent.CANCEL.value)
-    wrong = ((None, JobState.COMPLETE, "release"),)
+    wrong = {key: (CompiledEdge(None, "complete", "release"),)}
     checked, fast = _fresh_job_machine(True), _fresh_job_machine(False)
-    monkeypatch.setitem(checked._table, key, wrong)
-    monkeypatch.setitem(fast._table, key, wrong)
-    # The compiled path alone silently follows the tampered row ...
+    with checked.planted(table_edits=wrong), fast.planted(table_edits=wrong):
+        assert fast.table()[key] == wrong[key] and checked.table()[key] == wrong[key]
+        # The compiled path alone silently follows the tampered row ...
+        job = JobModel()
+        assert fast.fire(job, JobEvent.CANCEL) is JobEffect.RELEASE
+        assert job.state is JobState.COMPLETE
+        # ... checked mode refuses it, and the model keeps its state.
+        job = JobModel()
+        with pytest.raises(SpecError, match="compiled table gave"):
+            checked.fire(job, JobEvent.CANCEL)
+        assert job.state is JobState.SUBMITTED
+    # Leaving the block restores the spec's row.
+    assert fast.table() == compile_table(fast.machine)
     job = JobModel()
-    assert fast.fire(job, JobEvent.CANCEL) == "release"
-    assert job.state is JobState.COMPLETE
-    # ... checked mode refuses it, and the model keeps its state.
-    job = JobModel()
-    with pytest.raises(SpecError, match="compiled table gave"):
-        checked.fire(job, JobEvent.CANCEL)
-    assert job.state is JobState.SUBMITTED
+    assert fast.fire(job, JobEvent.CANCEL) is JobEffect.RELEASE and job.state is JobState.CANCELLED
 
 
-def test_tampered_effect_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tampered_effect_is_caught_in_checked_mode() -> None:
     checked = _fresh_job_machine(True)
     key = (JobState.IN_FLIGHT.value, JobEvent.FAIL.value)
-    monkeypatch.setitem(checked._table, key, ((None, JobState.FAILED, "commit"),))
-    with pytest.raises(SpecError):
+    with checked.planted(table_edits={key: (CompiledEdge(None, "failed", "commit"),)}), pytest.raises(SpecError):
         checked.fire(JobModel(state=JobState.IN_FLIGHT), JobEvent.FAIL)
 
 
-def test_removed_row_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_removed_row_is_caught_in_checked_mode() -> None:
     checked = _fresh_job_machine(True)
-    monkeypatch.delitem(checked._table, (JobState.SUBMITTED.value, JobEvent.DISCARD.value))
-    job = JobModel()
-    with pytest.raises(SpecError, match="transitions gave"):
-        checked.fire(job, JobEvent.DISCARD)
-    assert job.state is JobState.SUBMITTED
+    with checked.planted(table_edits={(JobState.SUBMITTED.value, JobEvent.DISCARD.value): None}):
+        job = JobModel()
+        with pytest.raises(SpecError, match="transitions gave"):
+            checked.fire(job, JobEvent.DISCARD)
+        assert job.state is JobState.SUBMITTED
+
+
+def test_planted_guards_change_the_compiled_table_and_are_restored() -> None:
+    fast = _fresh_job_machine(False)
+    real = dict(fast.guards)
+    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    with fast.planted(guards={"acks_still_pending": lambda _job, _n: False, "last_ack_clean": lambda _j, _n: True}):
+        assert fast.guards["acks_still_pending"] is not real["acks_still_pending"]
+        assert fast.fire(job, JobEvent.ACK, 1) is JobEffect.COMMIT  # commits on the first of two acks
+    assert dict(fast.guards) == real
+    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    assert fast.fire(job, JobEvent.ACK, 1) is None and job.state is JobState.IN_FLIGHT
+    with pytest.raises(SpecError, match="guards the spec lacks"), fast.planted(guards={"no_such_guard": _never}):
+        pass
+
+
+def _never(_model: Any, _arg: int) -> bool:
+    return False
+
+
+def test_guards_mapping_is_read_only() -> None:
+    guards: Any = _fresh_job_machine(False).guards
+    with pytest.raises(TypeError):
+        guards["ack_is_last"] = _never
 
 
 def test_tampered_compile_step_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,14 +381,14 @@ class ValuationModel:
     valuation: dict[str, bool] = field(default_factory=dict)
 
 
-def _valuation_machine(name: str, checked: bool) -> SpecMachine[Any, Any]:
+def _valuation_machine(name: str, checked: bool) -> SpecMachine[Any, Any, Any]:
     spec = load_machine(name)
 
     def make(g: str) -> Callable[[Any, int], bool]:
         return lambda model, _arg: bool(model.valuation[g])
 
-    state_enum, event_enum = ENUMS[name]
-    return SpecMachine(name, state_enum, event_enum, {g: make(g) for g in spec.guards}, checked=checked)
+    state_enum, event_enum, effect_enum = ENUMS[name]
+    return SpecMachine(name, state_enum, event_enum, effect_enum, {g: make(g) for g in spec.guards}, checked=checked)
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["compiled", "checked"])
@@ -367,7 +398,7 @@ def test_every_state_event_pair_transitions_or_raises(name: str, checked: bool) 
     spec = load_machine(name)
     sm = _valuation_machine(name, checked)
     reference = build_transitions_machine(spec)
-    state_enum, event_enum = ENUMS[name]
+    state_enum, event_enum, _ = ENUMS[name]
     for state, event in itertools.product(state_enum, event_enum):
         for valuation in _valuations(sorted(spec.guards)):
             model = ValuationModel(state, valuation)
@@ -391,7 +422,7 @@ def test_every_state_event_pair_transitions_or_raises(name: str, checked: bool) 
 def test_disabled_events_raise_and_leave_the_state_unchanged(name: str) -> None:
     spec = load_machine(name)
     sm = _valuation_machine(name, checked=False)
-    state_enum, event_enum = ENUMS[name]
+    state_enum, event_enum, _ = ENUMS[name]
     table = sm.table()
     all_true = dict.fromkeys(spec.guards, True)
     disabled = [(s, e) for s, e in itertools.product(state_enum, event_enum) if (s.value, e.value) not in table]
@@ -416,7 +447,7 @@ def test_no_guard_held_is_reported_and_changes_nothing() -> None:
 def test_terminal_states_accept_no_event(name: str) -> None:
     spec = load_machine(name)
     sm = _valuation_machine(name, checked=True)
-    state_enum, event_enum = ENUMS[name]
+    state_enum, event_enum, _ = ENUMS[name]
     for terminal in spec.terminal:
         for event in event_enum:
             model = ValuationModel(state_enum(terminal), dict.fromkeys(spec.guards, True))

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.testing import SecondaryTierStateMachine
 from kvfsm.testing.stateful import KitSlotIO
+from kvfsm.tiers.memory import InMemoryTier
 
 _QUICK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 

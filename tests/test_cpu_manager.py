@@ -21,7 +21,7 @@ from kvfsm.control.types import (
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEvent, SlotState
+from kvfsm.states import SlotEffect, SlotEvent, SlotState
 
 CTX = ReqContext("r1")
 A, W, R, RD = SlotState.ABSENT, SlotState.WRITING, SlotState.READY, SlotState.READING
@@ -71,11 +71,11 @@ def check_counts(m: CPUOffloadingManager, universe: Iterable[int]) -> None:
 class RecordingMachine:
     """Wraps the slot machine; logs every fire as (key, before, event, after)."""
 
-    def __init__(self, inner: SpecMachine[SlotState, SlotEvent]) -> None:
+    def __init__(self, inner: SpecMachine[SlotState, SlotEvent, SlotEffect]) -> None:
         self.inner = inner
         self.log: list[tuple[OffloadKey, SlotState, SlotEvent, SlotState]] = []
 
-    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> str | None:
+    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> SlotEffect | None:
         before = model.state
         effect = self.inner.fire(model, event, arg)
         self.log.append((model.key, before, event, model.state))
@@ -152,7 +152,7 @@ def test_lookup_per_state_and_ref_cnt_view() -> None:
     assert m.lookup(k(0), CTX) is LookupResult.HIT
     assert (m.slot_state(k(0)), m.ref_cnt(k(0))) == (RD, 2)
     s = m.stats()
-    assert (s["lookups"], s["misses"], s["hit_pending"], s["hits"]) == (4, 1, 1, 2)
+    assert (s.lookups, s.misses, s.hit_pending, s.hits) == (4, 1, 1, 2)
 
 
 # -- store path --
@@ -186,7 +186,7 @@ def test_failed_store_frees_slots_and_key_becomes_absent() -> None:
     assert m.num_free == 2 and m.num_writing == 0
     assert m.lookup(k(0), CTX) is LookupResult.MISS
     assert len(m.policy) == 0
-    assert m.stats()["stores_failed"] == 2
+    assert m.stats().stores_failed == 2
     assert m.take_events() == []
 
 
@@ -206,7 +206,7 @@ def test_complete_store_is_idempotent_and_ignores_non_writing_keys() -> None:
     m.complete_store(keys(1), CTX, success=False)  # already ready: failure changes nothing
     assert snapshot(m) == after
     assert m.take_events() == [OffloadingEvent((k(1),), "CPU", removed=False)]
-    assert m.stats()["stores_committed"] == 2
+    assert m.stats().stores_committed == 2
 
 
 # -- eviction --
@@ -227,7 +227,7 @@ def test_eviction_never_takes_writing_or_reading_slots() -> None:
     m.complete_load(keys(0), CTX)
     out = m.prepare_store(keys(5), CTX)
     assert out is not None and out.evicted_keys == (k(0),)
-    assert m.stats()["evictions"] == 2
+    assert m.stats().evictions == 2
 
 
 def test_prepare_store_none_when_too_few_evictable_or_protected() -> None:
@@ -279,7 +279,7 @@ def test_events_disabled() -> None:
     store(m, 0)
     store(m, 1)
     assert m.take_events() == []
-    assert m.stats()["evictions"] == 1
+    assert m.stats().evictions == 1
 
 
 # -- reset --
@@ -356,7 +356,7 @@ def test_complete_write_requires_writing_keys() -> None:
     assert snapshot(m) == before
     m.complete_write(keys(1), True)
     assert m.slot_state(k(1)) is R
-    assert m.stats()["promotions_committed"] == 1
+    assert m.stats().promotions_committed == 1
 
 
 # -- tier-side helpers --
@@ -372,7 +372,7 @@ def test_prepare_write_evicts_like_prepare_store_and_returns_none_when_full() ->
     assert m.prepare_write(keys(3)) is None  # both slots writing
     assert snapshot(m) == before
     m.complete_write(keys(1), False)
-    assert m.num_free == 1 and m.stats()["promotions_failed"] == 1
+    assert m.num_free == 1 and m.stats().promotions_failed == 1
 
 
 def test_prepare_read_pins_until_complete_read() -> None:

@@ -28,6 +28,7 @@ import pytest
 from tier_support import GUARD_S, SLOT_BYTES, fs_rig, temp_files
 
 import kvfsm
+from kvfsm.control.types import OffloadKey
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -109,7 +110,7 @@ while True:
 
 _ns: dict[str, object] = {}
 exec(BLOCK_DATA, _ns)
-block_key = cast(Callable[[int], bytes], _ns["block_key"])
+block_key = cast(Callable[[int], OffloadKey], _ns["block_key"])
 block_data = cast(Callable[[int, int], bytes], _ns["block_data"])
 
 CASES = (
@@ -176,7 +177,7 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
     try:
         stats = rig.tier.stats()
         assert temp_files(tmp_path) == []  # the dead writer's temporary file was removed
-        assert stats["bad_files_removed"] == 0  # no partial block file was ever visible
+        assert stats.bad_files_removed == 0  # no partial block file was ever visible
         for i in done:
             assert rig.read_through(block_key(i)) == block_data(i, SLOT_BYTES), f"committed block {i} lost"
         in_progress = rig.read_through(block_key(len(done)))
@@ -185,6 +186,6 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
             assert in_progress in (None, block_data(len(done), SLOT_BYTES))
         else:
             assert in_progress is None
-        assert stats["scan_entries"] >= len(done)
+        assert stats.scan_entries >= len(done)
     finally:
         rig.shutdown()

@@ -11,7 +11,6 @@ from tier_support import GUARD_S
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.tiering import BackpressureConfig, CascadeBackpressure, TieringManager
@@ -19,6 +18,7 @@ from kvfsm.control.types import LookupResult, OffloadKey, ReqContext, make_offlo
 from kvfsm.deadlines import DeadlineQueue, Deadlines, ManualClock
 from kvfsm.errors import AckCountError, ConfigError, UnknownJobError
 from kvfsm.states import JobKind, JobState, RequestState, SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4
 R1 = ReqContext("r1")
@@ -282,7 +282,7 @@ def test_a_timed_out_cascade_keeps_its_slot_pinned_until_the_tier_reports() -> N
     tm.on_schedule_end()
     assert primary.slot_state(key(0)) is SlotState.READY
     s = tm.stats()
-    assert (s["cascades_timed_out"], s["late_results"], s["transfers_quarantined"]) == (1, 1, 0)
+    assert (s.cascades_timed_out, s.late_results, s.transfers_quarantined) == (1, 1, 0)
 
 
 def test_a_timed_out_promotion_never_commits_and_is_retried_after() -> None:
@@ -303,7 +303,7 @@ def test_a_timed_out_promotion_never_commits_and_is_retried_after() -> None:
     assert primary.slot_state(key(5)) is SlotState.ABSENT
     assert key(5) in tier  # a timeout is not evidence of bad data: the tier keeps its copy
     assert tm.lookup(key(5), R1) is PENDING  # promoted again
-    assert tm.stats()["promotions_timed_out"] == 1
+    assert tm.stats().promotions_timed_out == 1
 
 
 def test_shutdown_releases_everything_tiers_never_reported() -> None:
@@ -318,7 +318,7 @@ def test_shutdown_releases_everything_tiers_never_reported() -> None:
     assert tm.num_transfer_jobs == 0 and tm.num_quarantined == 0
     assert primary.num_reading == 0 and primary.num_writing == 0  # nothing left pinned
     assert not tm.has_pending_work()
-    assert tm.stats()["transfers_abandoned"] == 2
+    assert tm.stats().transfers_abandoned == 2
 
 
 def pressured(bp: CascadeBackpressure) -> bool:
@@ -372,7 +372,7 @@ def test_backpressure_drops_cascades_to_a_slow_tier_but_never_promotions() -> No
     assert bp is not None and pressured(bp)
     store(tm, 2)  # no cascade in flight: admitted as a probe
     store(tm, 3)  # the probe is in flight: dropped
-    assert tm.stats()["cascade_probes"] == 1 and tm.stats()["cascades_dropped"] == 1
+    assert tm.stats().cascade_probes == 1 and tm.stats().cascades_dropped == 1
     assert primary.slot_state(key(3)) is SlotState.READY  # a dropped cascade pins nothing
     assert tier.pending_job_ids() and len(tier.pending_job_ids()) == 1
     tier.put(key(50))
@@ -397,7 +397,7 @@ def test_a_hung_cascade_puts_its_tier_under_pressure() -> None:
     store(tm, 0)
     clock.advance(2.0)  # the first cascade is stuck (warm-up or not)
     store(tm, 1)
-    assert tm.stats()["cascades_dropped"] == 1
+    assert tm.stats().cascades_dropped == 1
     assert len(tier.pending_job_ids()) == 1
 
 

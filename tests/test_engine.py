@@ -217,7 +217,7 @@ def test_reset_with_a_load_in_flight_flushes_the_stale_load_before_the_request_r
         assert e.integrity.loads_completed == 0 and e.integrity.loads_failed == 1
         assert e.integrity.mismatches == 0 and b.num_computed_tokens == 0  # recomputes from its local prefix
         run_released(ge)
-        assert b.is_finished and cpu_manager(e).stats()["used"] == 3  # B's three chunks, stored anew
+        assert b.is_finished and cpu_manager(e).stats().used == 3  # B's three chunks, stored anew
 
 
 def test_failed_load_is_recomputed_and_never_counted_as_loaded() -> None:
@@ -333,7 +333,7 @@ def test_multi_turn_prefix_reuse_loads_byte_exact_kv() -> None:
         assert e.integrity.loads_completed > 0
         assert e.integrity.blocks_verified > 0
         assert e.integrity.loads_failed == 0
-        assert cpu_manager(e).stats()["evictions"] > 0
+        assert cpu_manager(e).stats().evictions > 0
         assert sum(check_cpu_copies(ge, r.block_hashes) for r in reqs) > 0
         assert not e.has_pending_push_work()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_rules_fire_by_pattern_key_after_and_times() -> None:
 
 
 def test_probabilities_are_seeded_and_independent_of_interleaving() -> None:
-    def decisions(seed: int, order: list[tuple[str, bytes]]) -> dict[tuple[str, bytes, int], bool]:
+    def decisions(seed: int, order: Sequence[tuple[str, bytes]]) -> dict[tuple[str, bytes, int], bool]:
         plan = FaultPlan([FaultRule("*", FaultKind.EIO, probability=0.25)], seed=seed)
         seen: dict[tuple[str, bytes], int] = {}
         out = {}
@@ -150,7 +151,7 @@ def test_a_failed_cascade_leaves_no_file_and_the_cpu_copy_valid(tmp_path: Path, 
         rig.settle()
         assert plan.fired(rule) == 1
         s = rig.tm.stats()
-        assert (s["cascades_failed"], s["cascades_completed"]) == (1, 0)
+        assert (s.cascades_failed, s.cascades_completed) == (1, 0)
         assert rig.primary.slot_state(k(1)) is SlotState.READY  # unpinned, still valid
         assert rig.read_through(k(1)) == payload(k(1))
         assert block_files(tmp_path) == [] and temp_files(tmp_path) == []  # nothing partial visible
@@ -187,7 +188,7 @@ def test_a_failed_promotion_is_never_served_and_the_key_misses_after(
         assert rig.primary.slot_state(k(1)) is SlotState.ABSENT
         assert k(1) not in rig.tier
         assert OffloadingEvent((k(1),), "fs", removed=True) in rig.tm.take_events()
-        assert rig.tier.stats()["corrupt_detected"] == int(corrupt)
+        assert rig.tier.stats().corrupt_detected == int(corrupt)
         assert rig.tier.wait_idle(GUARD_S)
         assert not [p for p in block_files(tmp_path) if p.name.startswith(key_name(k(1)))]  # its file is gone
         assert rig.tm.lookup(k(1), R1) is MISS

@@ -25,7 +25,7 @@ from tier_support import (
 
 from kvfsm.control.manager import JobResult, TierJob
 from kvfsm.control.types import OffloadingEvent
-from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
+from kvfsm.errors import ConfigError, DuplicateJobError, KvfsmError
 from kvfsm.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.states import JobState, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, decode, encode, key_name
@@ -202,7 +202,7 @@ def test_cascade_writes_a_file_and_pins_the_cpu_slot_until_done(tmp_path: Path) 
         assert len(block_files(tmp_path)) == 1 and temp_files(tmp_path) == []
         events = rig.tm.take_events()
         assert OffloadingEvent((k(1),), "fs", removed=False) in events
-        assert rig.tm.stats()["cascades_completed"] == 1
+        assert rig.tm.stats().cascades_completed == 1
     finally:
         rig.shutdown()
 
@@ -222,7 +222,7 @@ def test_promotion_moves_the_exact_bytes_and_a_normal_load_follows(tmp_path: Pat
         rig.settle()
         assert rig.tm.lookup(k(1), R1) is HIT
         assert rig.read_through(k(1)) == payload(k(1))
-        assert rig.tier.stats()["loads_completed"] == 1
+        assert rig.tier.stats().loads_completed == 1
     finally:
         rig.shutdown()
 
@@ -237,7 +237,7 @@ def test_index_survives_a_restart_and_serves_hits(tmp_path: Path) -> None:
     again = fs_rig(tmp_path)
     try:
         assert again.tier.scan_state is ScanState.DONE
-        assert again.tier.stats()["scan_entries"] == 5
+        assert again.tier.stats().scan_entries == 5
         for i in range(5):
             assert again.read_through(k(i)) == payload(k(i))
         assert again.read_through(k(99)) is None
@@ -262,7 +262,7 @@ def test_restart_removes_stray_temp_files_damaged_files_and_old_versions(tmp_pat
     rig = fs_rig(tmp_path)
     try:
         s = rig.tier.stats()
-        assert (s["temp_files_removed"], s["bad_files_removed"], s["old_versions_removed"]) == (2, 1, 1)
+        assert (s.temp_files_removed, s.bad_files_removed, s.old_versions_removed) == (2, 1, 1)
         assert not dead_tmp.exists() and not own_tmp.exists() and alive_tmp.exists()
         assert not Path(old.path).exists() and Path(new.path).exists()
         assert rig.read_through(k(2)) == payload(k(2), generation=2)
@@ -295,8 +295,8 @@ def test_a_corrupt_file_is_a_failed_promotion_never_served(tmp_path: Path) -> No
         assert rig.tm.lookup(k(1), R1) is MISS  # and nobody promotes it again
         assert OffloadingEvent((k(1),), "fs", removed=True) in rig.tm.take_events()
         s = rig.tier.stats()
-        assert (s["corrupt_detected"], s["loads_failed"]) == (1, 1)
-        assert rig.tm.stats()["promotions_failed"] == 1
+        assert (s.corrupt_detected, s.loads_failed) == (1, 1)
+        assert rig.tm.stats().promotions_failed == 1
     finally:
         rig.shutdown()
 
@@ -314,7 +314,7 @@ def test_capacity_in_files_evicts_least_recent_and_removes_files(tmp_path: Path)
         assert OffloadingEvent((k(1),), "fs", removed=True) in rig.tm.take_events()
         assert rig.tier.wait_idle(GUARD_S)
         assert len(block_files(tmp_path)) == 3
-        assert rig.tier.stats()["evictions"] == 1
+        assert rig.tier.stats().evictions == 1
     finally:
         rig.shutdown()
 
@@ -334,9 +334,9 @@ def test_capacity_in_bytes_and_blocks_that_never_fit(tmp_path: Path) -> None:
     try:
         tiny.store(k(0))
         tiny.settle()
-        assert tiny.tm.stats()["cascades_failed"] == 1  # the block can never fit
+        assert tiny.tm.stats().cascades_failed == 1  # the block can never fit
         assert tiny.tm.lookup(k(0), R1) is HIT  # the CPU copy stays valid
-        assert tiny.tier.stats()["stores_rejected"] == 1
+        assert tiny.tier.stats().stores_rejected == 1
     finally:
         tiny.shutdown()
 
@@ -361,7 +361,7 @@ def test_lookup_answers_retry_until_the_async_probe_resolves(tmp_path: Path) -> 
         assert not rig.tier.probes_pending()
         assert rig.tm.lookup(k(2), R1) is MISS
         assert rig.tm.lookup(k(1), R1) is PENDING  # a probe hit: promoted like any hit
-        assert rig.tier.stats()["probe_hits"] == 1
+        assert rig.tier.stats().probe_hits == 1
     finally:
         plan.release_hangs()
         rig.shutdown()
@@ -431,10 +431,9 @@ def test_tier_rejects_malformed_jobs_and_use_after_shutdown(tmp_path: Path) -> N
     assert isinstance(io, DictSlotIO)
     io.data[0] = payload(k(0))
     gate = FaultPlan([FaultRule("fs.write", FaultKind.HANG)])
-    tier.faults = gate
-    tier._io.faults = gate
+    tier.faults = gate  # the tier's and its block I/O's
     tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))
-    with pytest.raises(InvalidTransition, match="already runs job 1"):
+    with pytest.raises(DuplicateJobError, match="already runs job 1"):
         tier.submit_store(TierJob(1, (k(0),), (0,), False, "r"))
     assert gate.wait_for_hangs(1, GUARD_S)
     tier.shutdown(GUARD_S)  # cancels the hang: the job reports failed

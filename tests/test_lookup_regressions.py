@@ -6,12 +6,12 @@ from helpers import FakeRequest, keys_of, tokens
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
-from kvfsm.control.types import ReqContext
+from kvfsm.control.types import OffloadKey, ReqContext
 from kvfsm.deadlines import Deadlines, ManualClock
 from kvfsm.states import SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4
 
@@ -27,7 +27,7 @@ def test_expired_wait_never_loads_a_hit_evicted_by_the_same_scans_promotion() ->
     sched = OffloadingScheduler(OffloadConfig(TPB), manager, deadlines=Deadlines(lookup_wait_s=1.0), clock=clock)
     req = FakeRequest("r", tokens("p", 2 * TPB + 1), TPB)
     k0, k1 = keys_of(req.block_hashes, 1)
-    k2 = b"other-chunk-key-0000"
+    k2 = OffloadKey(b"other-chunk-key-0000")
     ctx = ReqContext("writer")
     assert primary.prepare_store([k0], ctx) is not None
     primary.complete_store([k0], ctx)

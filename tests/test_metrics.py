@@ -17,9 +17,10 @@ from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, SlotSpec, make_offload_key
 from kvfsm.errors import ConfigError
-from kvfsm.fsm import set_tracer
+from kvfsm.fsm import add_tracer, remove_tracer, set_tracer
 from kvfsm.metrics import KvfsmMetrics, MetricsUnavailable
 from kvfsm.states import JobKind, JobState
+from kvfsm.testing.coverage import TransitionLog
 
 BYTES_PER_BLOCK = 1_000_000
 
@@ -213,6 +214,29 @@ def test_metrics_chain_the_previous_tracer(clock: FakeClock) -> None:
         assert set_tracer(previous) is previous
     finally:
         set_tracer(old)
+
+
+def test_tracers_are_removed_in_any_order(clock: FakeClock) -> None:
+    """Metrics, a transition log and a plain tracer run side by side; removing the first one installed
+    leaves the others running (no chain to break)."""
+    seen: list[str] = []
+    handle = add_tracer(lambda machine, model, event, source, dest: seen.append(event))
+    m = KvfsmMetrics(clock=clock).install()
+    log = TransitionLog().install()
+    try:
+        job(0, world_size=1).launch(0)
+        remove_tracer(handle)
+        remove_tracer(handle)  # a second removal is a no-op
+        job(1, world_size=1).launch(0)
+        m.uninstall()
+        job(2, world_size=1).launch(0)
+        assert seen == ["launch"]
+        assert m.transitions == 2
+        assert log.counts[("job", "launch")] == 3
+    finally:
+        log.uninstall()
+        m.uninstall()
+        remove_tracer(handle)
 
 
 def test_configuration_is_validated() -> None:

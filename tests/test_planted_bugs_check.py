@@ -51,30 +51,30 @@ def test_no_violation_without_a_planted_bug() -> None:
 def test_model_checker_finds_planted_bug(
     name: str, monkeypatch: pytest.MonkeyPatch, record_property: Callable[[str, object], None]
 ) -> None:
-    PLANTED_BUGS[name](monkeypatch)
-    model = Model(BOUNDS)
-    result = explore(BOUNDS, model=model, keep_graph=False)
-    assert result.violations, f"the model checker missed planted bug {name}"
-    v = result.violations[0]
-    record_property("counterexample_length", v.length)
-    print(f"\n{name}: {v.invariant}, counterexample of {v.length} events ({result.states} states explored)")
-    print(format_trace(v, model, states=False))
-    invariant, length = EXPECTED[name]
-    assert v.invariant == invariant
-    assert v.length == length
+    with PLANTED_BUGS[name](monkeypatch):
+        model = Model(BOUNDS)
+        result = explore(BOUNDS, model=model, keep_graph=False)
+        assert result.violations, f"the model checker missed planted bug {name}"
+        v = result.violations[0]
+        record_property("counterexample_length", v.length)
+        print(f"\n{name}: {v.invariant}, counterexample of {v.length} events ({result.states} states explored)")
+        print(format_trace(v, model, states=False))
+        invariant, length = EXPECTED[name]
+        assert v.invariant == invariant
+        assert v.length == length
 
-    # The real implementation, with the same bug, follows the counterexample event for event...
-    h = replay_path(BOUNDS, model, v.path, v.states)
-    if v.label is None:
-        # ...into the violating state itself; where the implementation's own checkers can see it, they do.
-        seen = {viol.invariant for viol in check_all(SystemView(h.sched, h.engine.state))}
-        if name in ("partial_acks_ignored", "idle_with_manager_work"):
-            assert invariant in seen
-        return
-    # ...up to the violating event, which it then either refuses with a typed error or takes unguarded.
-    _, refs = abstract(h, model)
-    if name in RAISES:
-        with pytest.raises(RAISES[name]):
+        # The real implementation, with the same bug, follows the counterexample event for event...
+        h = replay_path(BOUNDS, model, v.path, v.states)
+        if v.label is None:
+            # ...into the violating state itself; where the implementation's own checkers can see it, they do.
+            seen = {viol.invariant for viol in check_all(SystemView(h.sched, h.engine.state))}
+            if name in ("partial_acks_ignored", "idle_with_manager_work"):
+                assert invariant in seen
+            return
+        # ...up to the violating event, which it then either refuses with a typed error or takes unguarded.
+        _, refs = abstract(h, model)
+        if name in RAISES:
+            with pytest.raises(RAISES[name]):
+                h.apply(v.label, refs)
+        else:
             h.apply(v.label, refs)
-    else:
-        h.apply(v.label, refs)

@@ -107,16 +107,16 @@ def test_engine_machine_finds_planted_bug(name: str, monkeypatch: pytest.MonkeyP
     pytest.importorskip("torch")
     from kvfsm.testing.engine import EngineStateMachine
 
-    PLANTED_BUGS[name](monkeypatch)
-    first, _ = _find(EngineStateMachine, name, steps=40)
-    assert first <= MAX_EXAMPLES
+    with PLANTED_BUGS[name](monkeypatch):
+        first, _ = _find(EngineStateMachine, name, steps=40)
+        assert first <= MAX_EXAMPLES
 
 
 @pytest.mark.parametrize("name", sorted(PLANTED_BUGS))
 def test_control_machine_finds_planted_bug(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    PLANTED_BUGS[name](monkeypatch)
-    first, _ = _find(ControlPlaneStateMachine, name, steps=50)
-    assert first <= MAX_EXAMPLES
+    with PLANTED_BUGS[name](monkeypatch):
+        first, _ = _find(ControlPlaneStateMachine, name, steps=50)
+        assert first <= MAX_EXAMPLES
 
 
 def test_planted_bugs_cover_the_six_of_the_issue() -> None:

@@ -114,7 +114,7 @@ def test_a_clean_shutdown_drains_stores_and_cascades_to_disk(tmp_path: Path) -> 
         engine2.add_request(engine2.make_request("b", prompt, 1))
         run_engine(engine2, _tier2)
         assert engine2.integrity.loads_completed == 1 and engine2.integrity.mismatches == 0
-        assert tm2.stats()["promotions_completed"] == len(keys)
+        assert tm2.stats().promotions_completed == len(keys)
     finally:
         engine2.shutdown(timeout=GUARD_S)
 
@@ -167,7 +167,7 @@ def test_tiering_shutdown_gives_up_on_a_tier_whose_shutdown_hangs() -> None:
     assert time.monotonic() - start < 0.2 + MARGIN_S
     assert tm.num_transfer_jobs == 0 and tm.num_quarantined == 0 and not tm.has_pending_work()
     assert primary.slot_state(k(0)) is SlotState.READY
-    assert tm.stats()["transfers_abandoned"] == 1
+    assert tm.stats().transfers_abandoned == 1
 
 
 def test_fs_tier_shutdown_cancels_queued_work_and_reports_it_failed(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ def test_fs_tier_shutdown_cancels_queued_work_and_reports_it_failed(tmp_path: Pa
     assert rig.tier.threads_alive() == 0
     rig.tm.on_schedule_end()  # every job reports: the hung ones cancelled, the queued ones never run
     assert rig.tm.num_transfer_jobs == 0
-    assert rig.tm.stats()["cascades_failed"] == 8
+    assert rig.tm.stats().cascades_failed == 8
     assert rig.primary.num_reading == 0
     assert block_files(tmp_path) == []
     rig.tm.shutdown(timeout=TIMEOUT_S)

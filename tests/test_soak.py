@@ -92,9 +92,9 @@ class Soak:
     def _totals(self) -> None:
         s = self.rig.tm.stats()
         t = self.rig.tier.stats()
-        self.counts.promotions_failed += s["promotions_failed"]
-        self.counts.cascades_failed += s["cascades_failed"]
-        self.counts.corrupt_detected += t["corrupt_detected"]
+        self.counts.promotions_failed += s.promotions_failed
+        self.counts.cascades_failed += s.cascades_failed
+        self.counts.corrupt_detected += t.corrupt_detected
 
     def op(self) -> None:
         c = self.counts

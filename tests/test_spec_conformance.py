@@ -1,14 +1,13 @@
 """Code and spec agree, checked in both directions.
 
 Rule 1 of spec/README.md: every state, event, guard and effect lives in spec/*.toml. These tests check
-that the enums, the registered guards, the effect names the code acts on, the invariant table and the
-README diagrams all match the tables, and that the loader and SpecMachine refuse to start when they do
-not.
+that the state, event and effect enums, the registered guards, the invariant table and the README
+diagrams all match the tables, and that the loader and SpecMachine refuse to start when they do not.
+(Effects are enum members, so mypy --strict catches a misspelled one in code.)
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
@@ -33,25 +32,29 @@ from kvfsm.spec_loader import (
     load_machine,
 )
 from kvfsm.states import (
+    EngineEffect,
     EngineEvent,
     EngineState,
+    JobEffect,
     JobEvent,
     JobKind,
     JobState,
+    RequestEffect,
     RequestEvent,
     RequestState,
+    SlotEffect,
     SlotEvent,
     SlotState,
 )
 
-ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum]]] = {
-    "job": (JobState, JobEvent),
-    "slot": (SlotState, SlotEvent),
-    "request": (RequestState, RequestEvent),
-    "engine": (EngineState, EngineEvent),
+ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum], type[StrEnum]]] = {
+    "job": (JobState, JobEvent, JobEffect),
+    "slot": (SlotState, SlotEvent, SlotEffect),
+    "request": (RequestState, RequestEvent, RequestEffect),
+    "engine": (EngineState, EngineEvent, EngineEffect),
 }
 
-FACTORIES: dict[str, Callable[[], SpecMachine[Any, Any]]] = {
+FACTORIES: dict[str, Callable[[], SpecMachine[Any, Any, Any]]] = {
     "job": job_machine,
     "slot": slot_machine,
     "request": request_machine,
@@ -63,8 +66,8 @@ README = readme_path()
 
 
 def _spec_guards(name: str) -> dict[str, Callable[[Any, int], bool]]:
-    """The guard functions the real machine registered (read from the private attribute)."""
-    return dict(FACTORIES[name]()._guards)
+    """The guard functions the real machine registered."""
+    return dict(FACTORIES[name]().guards)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,7 +81,7 @@ def test_every_machine_has_enums_and_a_factory() -> None:
 @pytest.mark.parametrize("name", MACHINE_NAMES)
 def test_state_enum_equals_spec_states(name: str) -> None:
     spec = load_machine(name)
-    state_enum, _ = ENUMS[name]
+    state_enum, _, _ = ENUMS[name]
     code = {s.value for s in state_enum}
     assert code == set(spec.states), f"in code only: {code - set(spec.states)}; in spec only: " + str(
         set(spec.states) - code
@@ -91,10 +94,20 @@ def test_state_enum_equals_spec_states(name: str) -> None:
 @pytest.mark.parametrize("name", MACHINE_NAMES)
 def test_event_enum_equals_spec_events(name: str) -> None:
     spec = load_machine(name)
-    _, event_enum = ENUMS[name]
+    _, event_enum, _ = ENUMS[name]
     code = {e.value for e in event_enum}
     assert code == set(spec.events), f"in code only: {code - set(spec.events)}; in spec only: " + str(
         set(spec.events) - code
+    )
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_effect_enum_equals_spec_effects(name: str) -> None:
+    spec = load_machine(name)
+    _, _, effect_enum = ENUMS[name]
+    code = {e.value for e in effect_enum}
+    assert code == set(spec.effects), f"in code only: {code - set(spec.effects)}; in spec only: " + str(
+        set(spec.effects) - code
     )
 
 
@@ -120,6 +133,14 @@ def test_machine_instances_carry_their_spec(name: str) -> None:
     machine = FACTORIES[name]()
     assert machine.spec == load_machine(name)
     assert machine.events is ENUMS[name][1]
+    assert machine.effects is ENUMS[name][2]
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_every_effect_in_the_table_is_an_enum_member(name: str) -> None:
+    machine = FACTORIES[name]()
+    effects = {edge.effect for edges in machine.table().values() for edge in edges if edge.effect}
+    assert effects == {e.value for e in ENUMS[name][2]}
 
 
 def test_engine_machine_is_always_checked() -> None:
@@ -160,129 +181,13 @@ def test_declared_guards_and_effects_have_prose(name: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Effects: every effect name the code acts on is declared
-
-_EFFECT_NAME = re.compile(r"effect", re.IGNORECASE)
-
-
-#: Calls whose result is an effect name: SpecMachine.fire and the Job methods that return it.
-_EFFECT_CALLS = frozenset({"fire", "ack", "fail"})
-
-
-def _names_effect(node: ast.expr) -> bool:
-    """``effect``, ``x.last_effect``, ``fire(...)``, ``machine.fire(...)``, ``job.ack(...)``."""
-    if isinstance(node, ast.Name):
-        return bool(_EFFECT_NAME.search(node.id))
-    if isinstance(node, ast.Attribute):
-        return bool(_EFFECT_NAME.search(node.attr))
-    if isinstance(node, ast.Call):
-        func = node.func
-        called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-        return called in _EFFECT_CALLS or bool(_EFFECT_NAME.search(called))
-    return False
-
-
-def _string_constants(node: ast.expr) -> Iterator[str]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        yield node.value
-    elif isinstance(node, ast.Set | ast.Tuple | ast.List):
-        for elt in node.elts:
-            yield from _string_constants(elt)
-
-
-def _pattern_constants(pattern: ast.pattern) -> Iterator[str]:
-    if isinstance(pattern, ast.MatchValue):
-        yield from _string_constants(pattern.value)
-    elif isinstance(pattern, ast.MatchOr):
-        for sub in pattern.patterns:
-            yield from _pattern_constants(sub)
-    elif isinstance(pattern, ast.MatchAs) and pattern.pattern is not None:
-        yield from _pattern_constants(pattern.pattern)
-
-
-def effect_literals(source: str) -> set[str]:
-    """String literals compared with anything named ``*effect*`` (``==``, ``!=``, ``in``, ``match``)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            for i, op in enumerate(node.ops):
-                if not isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn):
-                    continue
-                left, right = operands[i], operands[i + 1]
-                if _names_effect(left):
-                    found.update(_string_constants(right))
-                if _names_effect(right):
-                    found.update(_string_constants(left))
-        elif isinstance(node, ast.Match) and _names_effect(node.subject):
-            for case in node.cases:
-                found.update(_pattern_constants(case.pattern))
-    return found
-
-
-def _code_effect_literals() -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        names = effect_literals(path.read_text(encoding="utf-8"))
-        if names:
-            out[str(path.relative_to(PACKAGE_DIR.parent))] = names
-    return out
-
-
-def _declared_effects() -> set[str]:
-    return {effect for name in MACHINE_NAMES for effect in load_machine(name).effects}
-
-
-def test_effect_scanner_finds_the_job_effects() -> None:
-    # Not vacuous: Job.launch compares against start_copy, the scheduler against commit.
-    found = set().union(*_code_effect_literals().values())
-    assert {"start_copy", "commit"} <= found
-
-
-def test_every_effect_name_in_code_is_declared() -> None:
-    declared = _declared_effects()
-    undeclared = {path: names - declared for path, names in _code_effect_literals().items() if names - declared}
-    assert not undeclared, f"effect names used in code but not declared in spec/*.toml: {undeclared}"
-
-
-def test_effect_scanner_flags_undeclared_names() -> None:
-    source = """
-def run(effect, step):
-    if effect == "comit":
-        pass
-    if "start_copy" != effect:
-        pass
-    if step.effect in {"release", "evict_all"}:
-        pass
-    match effect:
-        case "emit_stored" | "emit_gone":
-            pass
-    if other == "not_an_effect":
-        pass
-    if machine.fire(slot, EVICT) == "emit_removd":
-        pass
-    if fire(slot, COMMIT_WRITE) != "emit_stored":
-        pass
-    committed = job.ack(1) == "commit"
-"""
-    found = effect_literals(source)
-    assert found == {
-        "comit",
-        "start_copy",
-        "release",
-        "evict_all",
-        "emit_stored",
-        "emit_gone",
-        "emit_removd",
-        "commit",
-    }
-    assert found - _declared_effects() == {"comit", "evict_all", "emit_gone", "emit_removd"}
+# Effects
 
 
 def test_only_shutdown_may_block_the_engine() -> None:
     # The non-blocking drain (#45595): flush_all appears on shutdown rows and nowhere else.
     spec = load_machine("engine")
-    blocking = {(t.source, t.event) for t in spec.transitions if t.effect == "flush_all"}
+    blocking = {(t.source, t.event) for t in spec.transitions if t.effect == EngineEffect.FLUSH_ALL}
     assert blocking
     assert {event for _, event in blocking} == {"shutdown"}
     into_idle = [t for t in spec.transitions if t.dest == "idle"]
@@ -450,7 +355,7 @@ class JobEventRenamed(StrEnum):
 
 
 def test_spec_machine_accepts_the_real_enums_and_guards() -> None:
-    machine = SpecMachine("job", JobState, JobEvent, _spec_guards("job"), checked=False)
+    machine = SpecMachine("job", JobState, JobEvent, JobEffect, _spec_guards("job"), checked=False)
     assert machine.spec == load_machine("job")
 
 
@@ -465,7 +370,47 @@ def test_spec_machine_accepts_the_real_enums_and_guards() -> None:
 )
 def test_spec_machine_rejects_drifted_enums(states: type[StrEnum], events: type[StrEnum], what: str) -> None:
     with pytest.raises(SpecError, match=f"code {what}"):
-        SpecMachine("job", states, events, _spec_guards("job"))
+        SpecMachine("job", states, events, JobEffect, _spec_guards("job"))
+
+
+class JobEffectMissing(StrEnum):
+    START_COPY = "start_copy"
+    COMMIT = "commit"
+
+
+class JobEffectExtra(StrEnum):
+    START_COPY = "start_copy"
+    COMMIT = "commit"
+    RELEASE = "release"
+    EVICT_ALL = "evict_all"
+
+
+class JobEffectRenamed(StrEnum):
+    START_COPY = "start_copy"
+    COMMIT = "comit"
+    RELEASE = "release"
+
+
+@pytest.mark.parametrize("effects", [JobEffectMissing, JobEffectExtra, JobEffectRenamed, SlotEffect])
+def test_spec_machine_rejects_drifted_effects(effects: type[StrEnum]) -> None:
+    with pytest.raises(SpecError, match="code effects"):
+        SpecMachine("job", JobState, JobEvent, effects, _spec_guards("job"))
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_fire_returns_effect_members(name: str) -> None:
+    spec = load_machine(name)
+    machine = FACTORIES[name]()
+    rows = [t for t in spec.transitions if t.effect and t.guard is None]
+    for t in rows:
+
+        @dataclasses.dataclass
+        class Model:
+            state: StrEnum
+
+        model = Model(ENUMS[name][0](t.source))
+        effect = machine.fire(model, ENUMS[name][1](t.event))
+        assert type(effect) is ENUMS[name][2] and effect == t.effect
 
 
 def _always(_model: Any, _arg: int) -> bool:
@@ -485,12 +430,12 @@ def test_spec_machine_rejects_drifted_guards(change: str) -> None:
     else:
         guards["ack_is_final"] = guards.pop("ack_is_last")
     with pytest.raises(SpecError, match="code guards"):
-        SpecMachine("job", JobState, JobEvent, guards)
+        SpecMachine("job", JobState, JobEvent, JobEffect, guards)
 
 
 def test_spec_machine_rejects_an_unknown_machine() -> None:
     with pytest.raises(SpecError, match="unknown machine"):
-        SpecMachine("tier", JobState, JobEvent, {})
+        SpecMachine("tier", JobState, JobEvent, JobEffect, {})
 
 
 def test_transitions_machine_rejects_overlapping_guard_and_effect_names() -> None:

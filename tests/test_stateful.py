@@ -155,9 +155,9 @@ def test_covers_on_a_method_that_is_not_a_rule_fails() -> None:
 
 def _tiered_engine(num_cpu_slots: int, *, autocomplete: bool) -> tuple[object, object]:
     from kvfsm.control.cpu import CPUOffloadingManager
-    from kvfsm.control.memory_tier import InMemoryTier
     from kvfsm.control.tiering import TieringManager
     from kvfsm.engine.core import EngineConfig, ReferenceEngine
+    from kvfsm.tiers.memory import InMemoryTier
 
     tier = InMemoryTier("mem", autocomplete=autocomplete)
     manager = TieringManager(CPUOffloadingManager(num_cpu_slots), [tier])
@@ -173,8 +173,8 @@ def _tiered_engine(num_cpu_slots: int, *, autocomplete: bool) -> tuple[object, o
 )
 def test_unbounded_shutdown_waits_for_tier_jobs() -> None:
     pytest.importorskip("torch")
-    from kvfsm.control.memory_tier import InMemoryTier
     from kvfsm.engine.core import ReferenceEngine
+    from kvfsm.tiers.memory import InMemoryTier
 
     engine, tier = _tiered_engine(8, autocomplete=False)
     assert isinstance(engine, ReferenceEngine) and isinstance(tier, InMemoryTier)
@@ -195,10 +195,10 @@ def test_unbounded_shutdown_waits_for_tier_jobs() -> None:
 )
 def test_a_prefix_larger_than_the_primary_is_scheduled() -> None:
     pytest.importorskip("torch")
-    from kvfsm.control.memory_tier import InMemoryTier
     from kvfsm.control.types import make_offload_key
     from kvfsm.engine.core import ReferenceEngine
     from kvfsm.engine.requests import chain_block_hashes
+    from kvfsm.tiers.memory import InMemoryTier
 
     engine, tier = _tiered_engine(2, autocomplete=True)
     assert isinstance(engine, ReferenceEngine) and isinstance(tier, InMemoryTier)

@@ -9,7 +9,6 @@ import pytest
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import (
     LookupResult,
@@ -20,8 +19,9 @@ from kvfsm.control.types import (
     SlotSpec,
     make_offload_key,
 )
-from kvfsm.errors import ConfigError, InvalidTransition, UnknownJobError
+from kvfsm.errors import ConfigError, DuplicateJobError, UnknownJobError
 from kvfsm.states import JobKind, JobState, SlotState
+from kvfsm.tiers.memory import InMemoryTier
 
 R1, R2 = ReqContext("r1"), ReqContext("r2")
 HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -169,7 +169,7 @@ def test_cascade_pins_primary_slot_until_polled() -> None:
     assert job.state is JobState.COMPLETE
     assert primary.slot_state(k(0)) is SlotState.READY
     assert k(0) in tier
-    assert tm.stats()["cascades_completed"] == 1
+    assert tm.stats().cascades_completed == 1
     out = tm.prepare_store(keys(1), R1)
     assert out is not None and out.evicted_keys == (k(0),)
 
@@ -200,7 +200,7 @@ def test_failed_cascade_keeps_cpu_copy() -> None:
     assert tm.lookup(k(0), R1) is HIT
     assert primary.ref_cnt(k(0)) == 0
     assert k(0) not in tier
-    assert tm.stats()["cascades_failed"] == 1
+    assert tm.stats().cascades_failed == 1
 
 
 def test_no_cascade_for_failed_or_repeated_store() -> None:
@@ -269,7 +269,7 @@ def test_promotion_reserves_slot_then_hits_after_completion() -> None:
     assert primary.slot_state(k(5)) is SlotState.READY
     assert OffloadingEvent((k(5),), "CPU", removed=False) in tm.take_events()
     s = tm.stats()
-    assert (s["secondary_hits"], s["promotions_submitted"], s["promotions_completed"]) == (1, 1, 1)
+    assert (s.secondary_hits, s.promotions_submitted, s.promotions_completed) == (1, 1, 1)
 
 
 def test_promotions_batched_per_tier_and_request() -> None:
@@ -312,7 +312,7 @@ def test_failed_promotion_frees_slot_and_next_lookup_misses() -> None:
     assert primary.num_free == 4
     assert k(5) not in tier  # invalidated: no promotion loop
     assert tm.lookup(k(5), R1) is MISS
-    assert tm.stats()["promotions_failed"] == 1
+    assert tm.stats().promotions_failed == 1
 
 
 def test_promotion_of_key_lost_by_tier_fails() -> None:
@@ -418,7 +418,7 @@ def test_memory_tier_rejects_malformed_jobs() -> None:
     with pytest.raises(ConfigError, match="one slot per key"):
         tier.submit_load(TierJob(0, (k(0),), (), True, "r"))
     tier.submit_load(TierJob(0, (k(0),), (0,), True, "r"))
-    with pytest.raises(InvalidTransition, match="already runs job 0"):
+    with pytest.raises(DuplicateJobError, match="already runs job 0"):
         tier.submit_load(TierJob(0, (k(0),), (0,), True, "r"))
     with pytest.raises(UnknownJobError):
         tier.complete(5)
@@ -460,7 +460,7 @@ def test_reset_drains_in_flight_work_and_drops_queued_promotions() -> None:
     assert tm.has_pending_work() is False
     assert primary.num_free == 4 and len(primary) == 0
     assert set(tier.keys()) == {k(0), k(5), k(6)}  # tiers keep their data
-    assert tm.stats()["promotions_dropped"] == 1
+    assert tm.stats().promotions_dropped == 1
     assert tm.lookup(k(0), R1) is PENDING  # promoted back from the tier
 
 

@@ -10,7 +10,9 @@ O(victims) when it evicts; only :meth:`CPUOffloadingManager.reset_cache` visits 
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+
+from typing_extensions import override
 
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.policies import CachePolicy, make_policy
@@ -25,9 +27,9 @@ from kvfsm.control.types import (
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEvent, SlotState
+from kvfsm.states import SlotEffect, SlotEvent, SlotState
 
-__all__ = ["CPUOffloadingManager", "Slot", "is_evictable"]
+__all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel", "is_evictable"]
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
 _READABLE = (SlotState.READY, SlotState.READING)
@@ -43,18 +45,103 @@ def is_evictable(state: SlotState) -> bool:
     return state is SlotState.READY
 
 
+@dataclass(slots=True)
+class CPUCounters:
+    """What a CPU manager has counted since it was built (a reset keeps the counts)."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_pending: int = 0
+    evictions: int = 0
+    stores_committed: int = 0
+    stores_failed: int = 0
+    promotions_committed: int = 0
+    promotions_failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CPUStats:
+    """A snapshot of a CPU manager: its counters and its slots now."""
+
+    lookups: int
+    hits: int
+    misses: int
+    hit_pending: int
+    evictions: int
+    stores_committed: int
+    stores_failed: int
+    promotions_committed: int
+    promotions_failed: int
+    num_slots: int
+    used: int
+    writing: int
+    ready: int
+    reading: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The same numbers by field name (logs, JSON, metrics)."""
+        return asdict(self)
+
+
 def _show(key: OffloadKey) -> str:
     return key.hex() if len(key) <= 40 else key[:20].hex() + "..."
 
 
+@dataclass(slots=True, eq=False, kw_only=True)
+class SlotModel:
+    """The slot machine's model: ``state`` and its one integer of extended state, ``readers``.
+
+    Like :class:`~kvfsm.control.job.Job`, the record owns its bookkeeping: each method fires the slot
+    machine and then updates ``readers``, so no caller assigns either. Methods whose transition carries
+    an effect return it (:class:`~kvfsm.states.SlotEffect`) for the tier to carry out. Tiers subclass it
+    (slotted dataclasses) with what they keep per key.
+    """
+
+    state: SlotState = SlotState.ABSENT
+    readers: int = 0
+    machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = field(default_factory=slot_machine, repr=False)
+
+    def current(self) -> SlotState:
+        """The state, read through a call so that mypy does not narrow it across transitions."""
+        return self.state
+
+    def begin_write(self) -> None:
+        self.machine.fire(self, SlotEvent.BEGIN_WRITE)
+
+    def commit_write(self) -> SlotEffect | None:
+        """writing -> ready; returns EMIT_STORED."""
+        return self.machine.fire(self, SlotEvent.COMMIT_WRITE)
+
+    def abort_write(self) -> None:
+        self.machine.fire(self, SlotEvent.ABORT_WRITE)
+
+    def begin_read(self) -> None:
+        """One more reader (ready or reading -> reading)."""
+        self.machine.fire(self, SlotEvent.BEGIN_READ)
+        self.readers += 1
+
+    def end_read(self) -> None:
+        """One reader fewer; the last one makes the slot ready (the guard reads ``readers`` first)."""
+        self.machine.fire(self, SlotEvent.END_READ)
+        self.readers -= 1
+
+    def evict(self) -> SlotEffect | None:
+        """ready -> absent; returns EMIT_REMOVED."""
+        return self.machine.fire(self, SlotEvent.EVICT)
+
+    def reset(self) -> None:
+        """Any state -> absent, readers dropped (reset_cache)."""
+        self.machine.fire(self, SlotEvent.RESET)
+        self.readers = 0
+
+
 @dataclass(slots=True, eq=False)
-class Slot:
+class Slot(SlotModel):
     """One held key: its CPU slot and its slot-machine state (only the machine assigns ``state``)."""
 
     key: OffloadKey
     slot_id: int
-    state: SlotState = SlotState.ABSENT
-    readers: int = 0
 
     @property
     def ref_cnt(self) -> int:
@@ -97,7 +184,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy: CachePolicy = make_policy(policy, capacity=num_slots)
         self._medium = medium
         self.enable_events = enable_events
-        self._machine: SpecMachine[SlotState, SlotEvent] = slot_machine(checked)
+        self._machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = slot_machine(checked)
         self._slots: dict[OffloadKey, Slot] = {}
         # Allocator: a bump pointer over never-used ids, then a stack of freed ones.
         self._next_id = 0
@@ -106,20 +193,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_ready = 0
         self._num_reading = 0
         self._events: list[OffloadingEvent] = []
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "hits",
-                "misses",
-                "hit_pending",
-                "evictions",
-                "stores_committed",
-                "stores_failed",
-                "promotions_committed",
-                "promotions_failed",
-            ),
-            0,
-        )
+        self._stats = CPUCounters()
 
     # -- introspection --
 
@@ -153,8 +227,14 @@ class CPUOffloadingManager(OffloadingManager):
     def policy(self) -> CachePolicy:
         return self._policy
 
+    @override
     @property
-    def machine(self) -> SpecMachine[SlotState, SlotEvent]:
+    def primary(self) -> CPUOffloadingManager:
+        """A CPU manager is its own primary."""
+        return self
+
+    @property
+    def machine(self) -> SpecMachine[SlotState, SlotEvent, SlotEffect]:
         return self._machine
 
     def slot_state(self, key: OffloadKey) -> SlotState:
@@ -175,36 +255,41 @@ class CPUOffloadingManager(OffloadingManager):
     def __contains__(self, key: object) -> bool:
         return key in self._slots
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._stats,
-            "num_slots": self._num_slots,
-            "used": len(self._slots),
-            "writing": self._num_writing,
-            "ready": self._num_ready,
-            "reading": self._num_reading,
-        }
+    def stats(self) -> CPUStats:
+        return CPUStats(
+            **asdict(self._stats),
+            num_slots=self._num_slots,
+            used=len(self._slots),
+            writing=self._num_writing,
+            ready=self._num_ready,
+            reading=self._num_reading,
+        )
 
     # -- OffloadingManager --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        self._stats["lookups"] += 1
+        stats = self._stats
+        stats.lookups += 1
         slot = self._slots.get(key)
         if slot is None:
-            self._stats["misses"] += 1
+            stats.misses += 1
             return LookupResult.MISS
         if slot.state is SlotState.WRITING:
-            self._stats["hit_pending"] += 1
+            stats.hit_pending += 1
             return LookupResult.HIT_PENDING
-        self._stats["hits"] += 1
+        stats.hits += 1
         return LookupResult.HIT
 
+    @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         return self.prepare_read(keys)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.complete_read(keys)
 
+    @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         new_keys: list[OffloadKey] = []
         seen: set[OffloadKey] = set()
@@ -223,28 +308,30 @@ class CPUOffloadingManager(OffloadingManager):
         slot_ids, evicted = reserved
         return PrepareStoreOutput(tuple(new_keys), SlotSpec(slot_ids), evicted)
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent)."""
         writing = [k for k in dict.fromkeys(keys) if self.slot_state(k) is SlotState.WRITING]
-        self._finish_writes(writing, success, "stores")
+        self._finish_writes(writing, success, promotion=False)
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._policy.touch(keys)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
+    @override
     def reset_cache(self) -> None:
         """Drop everything: RESET every slot, then clear the policy, the allocator and the counts.
 
         Safe only because callers guarantee no pre-reset transfer still touches a slot (stale job ids,
         loads flushed before new stores; tiering drains its tiers first).
         """
-        fire = self._machine.fire
         for slot in self._slots.values():
-            fire(slot, SlotEvent.RESET)
-            slot.readers = 0
+            slot.reset()
         self._slots.clear()
         self._policy.clear()
         self._next_id = 0
@@ -285,7 +372,7 @@ class CPUOffloadingManager(OffloadingManager):
                 raise InvalidTransition(
                     "slot", str(state), str(event), f"key {_show(key)} is not being written; expected writing"
                 )
-        self._finish_writes(unique, success, "promotions")
+        self._finish_writes(unique, success, promotion=True)
 
     def prepare_read(self, keys: Sequence[OffloadKey]) -> SlotSpec:
         """Pin readable keys (ready or reading) until :meth:`complete_read`; one reader per listing."""
@@ -298,14 +385,12 @@ class CPUOffloadingManager(OffloadingManager):
                     f"cannot read key {_show(key)} from {self._medium}: its slot is {state.value}; "
                     "expected ready or reading"
                 )
-        fire = self._machine.fire
         policy = self._policy
         ids: list[int] = []
         for key in keys:
             slot = slots[key]
             was_evictable = is_evictable(slot.state)
-            fire(slot, SlotEvent.BEGIN_READ)
-            slot.readers += 1
+            slot.begin_read()
             if was_evictable and not is_evictable(slot.state):
                 # 0 -> 1 reader: eviction must not take it until the last reader is done.
                 policy.mark_non_evictable(key)
@@ -331,12 +416,10 @@ class CPUOffloadingManager(OffloadingManager):
                     f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
                     "expected a reading slot with at least that many readers",
                 )
-        fire = self._machine.fire
         for key in keys:
             slot = self._slots[key]
             was_evictable = is_evictable(slot.state)
-            fire(slot, SlotEvent.END_READ)  # the guard reads ``readers`` before it drops
-            slot.readers -= 1
+            slot.end_read()
             if not was_evictable and is_evictable(slot.state):
                 self._policy.mark_evictable(key)
                 self._num_reading -= 1
@@ -358,11 +441,11 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
             victims = chosen
             self._evict(victims)
-        fire = self._machine.fire
+        machine = self._machine
         ids: list[int] = []
         for key in new_keys:
-            slot = Slot(key, self._alloc_id())
-            fire(slot, SlotEvent.BEGIN_WRITE)
+            slot = Slot(key, self._alloc_id(), machine=machine)
+            slot.begin_write()
             self._slots[key] = slot
             ids.append(slot.slot_id)
         self._num_writing += len(new_keys)
@@ -370,40 +453,50 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _evict(self, victims: list[OffloadKey]) -> None:
         """Victims already left the policy; free their slots and report them removed."""
-        fire = self._machine.fire
         removed: list[OffloadKey] = []
         for key in victims:
             slot = self._slots.pop(key)
-            if fire(slot, SlotEvent.EVICT) == "emit_removed":
-                removed.append(key)
+            match slot.evict():
+                case SlotEffect.EMIT_REMOVED:
+                    removed.append(key)
+                case _:
+                    pass
             self._free_ids.append(slot.slot_id)
         self._num_ready -= len(victims)
-        self._stats["evictions"] += len(victims)
+        self._stats.evictions += len(victims)
         if removed and self.enable_events:
             self._events.append(OffloadingEvent(tuple(removed), self._medium, removed=True))
 
-    def _finish_writes(self, writing: list[OffloadKey], success: bool, counter: str) -> None:
-        """``writing`` holds distinct keys, all in the writing state; ``counter`` names the stats pair."""
+    def _finish_writes(self, writing: list[OffloadKey], success: bool, *, promotion: bool) -> None:
+        """``writing`` holds distinct keys, all in the writing state, of GPU stores or of promotions."""
         if not writing:
             return
-        fire = self._machine.fire
         if success:
             stored: list[OffloadKey] = []
             for key in writing:
                 slot = self._slots[key]
-                if fire(slot, SlotEvent.COMMIT_WRITE) == "emit_stored":
-                    stored.append(key)
+                match slot.commit_write():
+                    case SlotEffect.EMIT_STORED:
+                        stored.append(key)
+                    case _:
+                        pass
                 self._policy.insert(key, evictable=is_evictable(slot.state))
             self._num_ready += len(writing)
-            self._stats[f"{counter}_committed"] += len(writing)
+            if promotion:
+                self._stats.promotions_committed += len(writing)
+            else:
+                self._stats.stores_committed += len(writing)
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
             for key in writing:
                 slot = self._slots.pop(key)
-                fire(slot, SlotEvent.ABORT_WRITE)
+                slot.abort_write()
                 self._free_ids.append(slot.slot_id)
-            self._stats[f"{counter}_failed"] += len(writing)
+            if promotion:
+                self._stats.promotions_failed += len(writing)
+            else:
+                self._stats.stores_failed += len(writing)
         self._num_writing -= len(writing)
 
     def _alloc_id(self) -> int:

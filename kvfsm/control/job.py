@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from kvfsm.control.types import GPUBlockSpec, OffloadKey, SlotSpec
+from dataclasses import dataclass
+
+from kvfsm.control.types import GPUBlockSpec, OffloadKey, ReqContext, SlotSpec
 from kvfsm.errors import AckCountError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
-from kvfsm.states import JOB_TERMINAL, JobEvent, JobKind, JobState
+from kvfsm.states import JOB_TERMINAL, JobEffect, JobEvent, JobKind, JobState
 
-__all__ = ["Job"]
+__all__ = ["Job", "Quarantined"]
 
 
 class Job:
@@ -42,7 +44,7 @@ class Job:
         gpu: GPUBlockSpec,
         slots: SlotSpec,
         world_size: int,
-        machine: SpecMachine[JobState, JobEvent] | None = None,
+        machine: SpecMachine[JobState, JobEvent, JobEffect] | None = None,
     ) -> None:
         self.job_id = job_id
         self.kind = kind
@@ -74,7 +76,7 @@ class Job:
             raise AckCountError(f"job {self.job_id}: worker rank {rank} outside 0..{self.world_size - 1}")
         effect = self.machine.fire(self, JobEvent.LAUNCH, rank)
         self.launched_mask |= 1 << rank
-        return effect == "start_copy"
+        return effect is JobEffect.START_COPY
 
     def _check_count(self, count: int, what: str) -> None:
         if self.state is JobState.IN_FLIGHT and not 0 < count <= self.pending:
@@ -82,19 +84,19 @@ class Job:
                 f"job {self.job_id}: {count} {what} reported but {self.pending} pending; expected 1..{self.pending}"
             )
 
-    def ack(self, count: int = 1) -> str | None:
+    def ack(self, count: int = 1) -> JobEffect | None:
         """Record ``count`` successful worker reports.
 
-        Returns the effect: "commit" exactly once when the W-th report arrives and all succeeded,
-        "release" when the W-th arrives after a failure, None while reports are still pending.
+        Returns the effect: COMMIT exactly once when the W-th report arrives and all succeeded,
+        RELEASE when the W-th arrives after a failure, None while reports are still pending.
         """
         self._check_count(count, "acks")
         effect = self.machine.fire(self, JobEvent.ACK, count)
         self.pending -= count
         return effect
 
-    def fail(self, count: int = 1) -> str | None:
-        """Record ``count`` failed worker reports; "release" once every worker has reported."""
+    def fail(self, count: int = 1) -> JobEffect | None:
+        """Record ``count`` failed worker reports; RELEASE once every worker has reported."""
         if self.state is JobState.IN_FLIGHT:
             self._check_count(count, "failures")
         effect = self.machine.fire(self, JobEvent.FAIL, count)
@@ -102,13 +104,35 @@ class Job:
         self.failed_reports += count
         return effect
 
-    def cancel(self) -> str | None:
-        """Nothing was launched and nothing will be: the job ends cancelled ("release")."""
+    def cancel(self) -> JobEffect | None:
+        """Nothing was launched and nothing will be: the job ends cancelled (RELEASE)."""
         return self.machine.fire(self, JobEvent.CANCEL)
 
     def discard(self) -> None:
         self.machine.fire(self, JobEvent.DISCARD)
 
-    def time_out(self) -> str | None:
-        """The job's deadline passed: it ends timed_out and its resources are released ("release")."""
+    def time_out(self) -> JobEffect | None:
+        """The job's deadline passed: it ends timed_out and its resources are released (RELEASE)."""
         return self.machine.fire(self, JobEvent.TIME_OUT)
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """A timed-out job whose launched copies have not all reported: its memory is not handed back yet.
+
+    Shared by the scheduler half (GPU <-> CPU jobs, ``outstanding`` = launched workers yet to report) and
+    the tiering manager (primary <-> tier jobs, one copy: the tier, named by ``tier``). The job already
+    ended ``timed_out`` with the RELEASE effect; the owner carries that effect out once :meth:`report`
+    says every outstanding copy has reported.
+    """
+
+    job: Job
+    ctx: ReqContext
+    outstanding: int = 1
+    #: The index of the tier running the copy (tiering manager); -1 for GPU workers.
+    tier: int = -1
+
+    def report(self, count: int = 1) -> bool:
+        """``count`` outstanding copies reported (late); True once none is left."""
+        self.outstanding -= count
+        return self.outstanding <= 0

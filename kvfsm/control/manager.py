@@ -2,14 +2,16 @@
 
 Both run in the scheduler process: every method must be cheap and must never block on a transfer.
 ``has_pending_work()`` defaults to False; a manager or tier returns True only while it needs the engine
-to keep stepping (it has jobs that a later poll will complete).
+to keep stepping (it has jobs that a later poll will complete). Every optional hook is declared here
+with its default, so callers never probe for one by name.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvfsm.control.types import (
     LookupResult,
@@ -19,8 +21,12 @@ from kvfsm.control.types import (
     ReqContext,
     SlotSpec,
 )
+from kvfsm.errors import ConfigError, DuplicateJobError
 
-__all__ = ["JobResult", "OffloadingManager", "SecondaryTier", "TierJob"]
+if TYPE_CHECKING:
+    from kvfsm.control.cpu import CPUOffloadingManager
+
+__all__ = ["JobResult", "OffloadingManager", "SecondaryTier", "TierJob", "validate_tier_job"]
 
 
 class OffloadingManager(ABC):
@@ -68,6 +74,27 @@ class OffloadingManager(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
 
+    def abandon_transfers(self) -> int:
+        """Bounded shutdown gives up on the manager's own transfers (a tiering manager's cascades and
+        promotions); returns how many timed out. Default: the manager has none, 0."""
+        return 0
+
+    @property
+    def primary(self) -> CPUOffloadingManager | None:
+        """The CPU primary that holds the slots GPU jobs copy to and from: the manager itself for a CPU
+        manager, the front tier for a tiering manager. Default: None (a manager with no CPU slots)."""
+        return None
+
+    @property
+    def num_transfer_jobs(self) -> int:
+        """Transfers of the manager's own (primary <-> tier) still in flight. Default: 0."""
+        return 0
+
+    def transfer_in_flight(self, job_id: int) -> bool:
+        """Whether the manager's own transfer ``job_id`` is submitted and neither applied nor timed out.
+        Default: False (no transfers of its own)."""
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class TierJob:
@@ -78,6 +105,27 @@ class TierJob:
     slot_ids: tuple[int, ...]
     is_promotion: bool
     req_id: str
+
+
+def validate_tier_job(tier: str, job: TierJob, *, promotion: bool, running: Container[int]) -> None:
+    """The checks every tier makes on a submission, before it changes anything.
+
+    ConfigError if the job is of the other kind (``is_promotion`` is not ``promotion``) or its keys and
+    slots differ in number; DuplicateJobError if ``running`` (the ids the tier has in flight) holds it.
+    """
+    what = "submit_load" if promotion else "submit_store"
+    if job.is_promotion is not promotion:
+        raise ConfigError(
+            f"tier {tier!r}: {what} got job {job.job_id} with is_promotion={job.is_promotion}; "
+            f"expected is_promotion={promotion}"
+        )
+    if len(job.keys) != len(job.slot_ids):
+        raise ConfigError(
+            f"tier {tier!r}: job {job.job_id} has {len(job.keys)} keys but {len(job.slot_ids)} slots; "
+            "expected one slot per key"
+        )
+    if job.job_id in running:
+        raise DuplicateJobError(f"tier {tier!r} already runs job {job.job_id}; expected a new id for {what}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +171,12 @@ class SecondaryTier(ABC):
 
     def take_events(self) -> list[OffloadingEvent]:
         return []
+
+    def invalidate(self, key: OffloadKey) -> None:  # noqa: B027 - optional hook
+        """A promotion of ``key`` failed, so the tier's copy (or its cached verdict) is bad: forget it, so
+        that the next lookup answers MISS and the key is not promoted again forever. The manager calls it
+        for every key of a failed promotion. Default: nothing (a tier that never caches a verdict and
+        evicts copies whose read failed needs no more)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

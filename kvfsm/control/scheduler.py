@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfsm.control.config import DrainMode, OffloadConfig
-from kvfsm.control.job import Job
+from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.types import (
@@ -51,12 +51,13 @@ from kvfsm.errors import (
 )
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine, request_machine
-from kvfsm.states import JobKind, JobState, RequestEvent, RequestState
+from kvfsm.states import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
 
 __all__ = [
     "OffloadRequest",
     "OffloadingScheduler",
     "PendingJob",
+    "RequestRecord",
     "ScheduledRequest",
     "SchedulerOutput",
     "SchedulerStats",
@@ -172,8 +173,9 @@ class SchedulerStats:
     quarantine_abandoned: int = 0
 
 
-class _RequestState:
-    """The request machine's model, plus the connector's per-request bookkeeping."""
+class RequestRecord:
+    """The request machine's model (its ``state`` is a :class:`RequestState`), plus the connector's
+    per-request bookkeeping."""
 
     __slots__ = (
         "block_ids",
@@ -212,15 +214,6 @@ class _Batch:
         return not (self.loads or self.flush or self.allocated)
 
 
-@dataclass(slots=True)
-class _Quarantined:
-    """A timed-out job whose launched copies have not all reported: its memory is not handed back yet."""
-
-    job: Job
-    ctx: ReqContext
-    outstanding: int
-
-
 class OffloadingScheduler:
     """vLLM's OffloadingConnectorScheduler, over the spec's job and request machines."""
 
@@ -236,10 +229,10 @@ class OffloadingScheduler:
         self.config = config
         self.manager = manager
         self._job_machine = job_machine(checked)
-        self._req_machine: SpecMachine[RequestState, RequestEvent] = request_machine(checked)
-        self._requests: dict[str, _RequestState] = {}
+        self._req_machine: SpecMachine[RequestState, RequestEvent, RequestEffect] = request_machine(checked)
+        self._requests: dict[str, RequestRecord] = {}
         # Finished requests whose final stores are planned at the next build_connector_meta.
-        self._finished_unsignalled: dict[str, _RequestState] = {}
+        self._finished_unsignalled: dict[str, RequestRecord] = {}
         self._num_finished = 0  # tracked requests in a finished_* state, so "any live request?" is O(1)
         self._jobs: dict[int, Job] = {}
         self._job_counter = 0
@@ -255,7 +248,7 @@ class OffloadingScheduler:
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self._clock: Clock = clock if clock is not None else time.monotonic
         self._expiry = DeadlineQueue()
-        self._quarantine: dict[int, _Quarantined] = {}
+        self._quarantine: dict[int, Quarantined] = {}
         self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
         self._waiting_since: dict[str, float] = {}  # request -> when its lookup started waiting on a chunk
 
@@ -336,15 +329,17 @@ class OffloadingScheduler:
         bpc = self.config.blocks_per_chunk
         return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(start, stop)]
 
-    def _fire(self, st: _RequestState, event: RequestEvent) -> None:
-        effect = self._req_machine.fire(st, event)
-        if effect == "signal_manager":
-            self.manager.on_request_finished(st.ctx)
+    def _fire(self, st: RequestRecord, event: RequestEvent) -> None:
+        match self._req_machine.fire(st, event):
+            case RequestEffect.SIGNAL_MANAGER:
+                self.manager.on_request_finished(st.ctx)
+            case None:
+                pass
 
     def _new_job(
         self,
         kind: JobKind,
-        st: _RequestState,
+        st: RequestRecord,
         keys: tuple[OffloadKey, ...],
         gpu: GPUBlockSpec,
         slots: tuple[int, ...],
@@ -390,7 +385,7 @@ class OffloadingScheduler:
                 f"request {request.req_id!r} is already tracked (state "
                 f"{self._requests[request.req_id].state.value}); expected a new request id"
             )
-        self._requests[request.req_id] = _RequestState(request)
+        self._requests[request.req_id] = RequestRecord(request)
         self.manager.on_new_request(ReqContext(request.req_id))
 
     def get_num_new_matched_tokens(self, request: OffloadRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -452,7 +447,7 @@ class OffloadingScheduler:
         since = self._waiting_since.setdefault(req_id, now)
         return now - since >= limit
 
-    def _defer(self, st: _RequestState) -> None:
+    def _defer(self, st: RequestRecord) -> None:
         self._fire(st, RequestEvent.DEFER)
         self.stats.deferred_lookups += 1
 
@@ -570,7 +565,7 @@ class OffloadingScheduler:
                     f"request {req_id!r} is not running; only a running request can be preempted",
                 )
 
-    def _plan_stores(self, st: _RequestState, num_scheduled: int | None, out: dict[int, Job]) -> None:
+    def _plan_stores(self, st: RequestRecord, num_scheduled: int | None, out: dict[int, Job]) -> None:
         request = st.request
         tpc, bpc = self.config.tokens_per_chunk, self.config.blocks_per_chunk
         if num_scheduled is None:  # finished
@@ -665,16 +660,21 @@ class OffloadingScheduler:
                 continue  # finished above by a failure report in the same output
             self._finish(job, job.ack(count))
 
-    def _finish(self, job: Job, effect: str | None, *, timed_out: bool = False) -> None:
-        if effect is None:
-            return
+    def _finish(self, job: Job, effect: JobEffect | None, *, timed_out: bool = False) -> None:
+        """Carry out a job effect: COMMIT completes the job on the manager, RELEASE rolls it back."""
+        match effect:
+            case None | JobEffect.START_COPY:  # START_COPY is the workers'; the scheduler never fires launch
+                return
+            case JobEffect.COMMIT:
+                ok = True
+            case JobEffect.RELEASE:
+                ok = False
         st = self._requests.get(job.req_id)
         ctx = st.ctx if st is not None else ReqContext(job.req_id)
-        ok = effect == "commit"
         # A timed-out job's launched copies may still be running: keep its memory until they report.
         outstanding = job.launched_mask.bit_count() - (job.world_size - job.pending) if timed_out else 0
         if outstanding > 0:
-            self._quarantine[job.job_id] = _Quarantined(job, ctx, outstanding)
+            self._quarantine[job.job_id] = Quarantined(job, ctx, outstanding)
         if job.kind is JobKind.STORE:
             if outstanding <= 0:
                 self.manager.complete_store(job.keys, ctx, success=ok)
@@ -710,13 +710,12 @@ class OffloadingScheduler:
 
     def _late_report(self, job_id: int, count: int) -> None:
         q = self._quarantine[job_id]
-        q.outstanding -= count
         self.stats.late_reports_ignored += count
-        if q.outstanding <= 0:
+        if q.report(count):
             del self._quarantine[job_id]
             self._release_quarantined(q)
 
-    def _release_quarantined(self, q: _Quarantined) -> None:
+    def _release_quarantined(self, q: Quarantined) -> None:
         """Every launched copy has reported: hand the memory back exactly as for a failure."""
         if q.job.kind is JobKind.STORE:
             self.manager.complete_store(q.job.keys, q.ctx, success=False)
@@ -753,11 +752,8 @@ class OffloadingScheduler:
                 self._finish(job, job.time_out(), timed_out=True)
                 timed_out += 1
         self._expiry.clear()
-        # A tiering manager gives up on its cascades and promotions the same way.
-        abandon = getattr(self.manager, "abandon_transfers", None)
-        if callable(abandon):
-            n = abandon()
-            timed_out += n if isinstance(n, int) else 0
+        # A tiering manager gives up on its cascades and promotions the same way (others: 0).
+        timed_out += self.manager.abandon_transfers()
         return cancelled, timed_out
 
     def release_quarantine(self) -> int:
@@ -769,7 +765,7 @@ class OffloadingScheduler:
         self.stats.quarantine_abandoned += len(quarantined)
         return len(quarantined)
 
-    def _delete(self, st: _RequestState) -> None:
+    def _delete(self, st: RequestRecord) -> None:
         self._waiting_since.pop(st.ctx.req_id, None)
         self._fire(st, RequestEvent.DELETE)
         del self._requests[st.ctx.req_id]

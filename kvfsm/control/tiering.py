@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 
-from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.job import Job
+from typing_extensions import override
+
+from kvfsm.control.cpu import CPUOffloadingManager, CPUStats
+from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
 from kvfsm.control.types import (
     GPUBlockSpec,
@@ -38,13 +40,63 @@ from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_t
 from kvfsm.errors import ConfigError, KvfsmError, UnknownJobError
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
-from kvfsm.states import JobEvent, JobKind, JobState, SlotState
+from kvfsm.states import JobEffect, JobEvent, JobKind, JobState, SlotState
 
-__all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringManager"]
+__all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringCounters", "TieringManager", "TieringStats"]
 
 logger = logging.getLogger(__name__)
 
 _NO_GPU = GPUBlockSpec(())
+
+
+@dataclass(slots=True)
+class TieringCounters:
+    """What a tiering manager has counted (promotions in keys, cascades in jobs)."""
+
+    secondary_hits: int = 0
+    promotions_reserved: int = 0
+    promotions_submitted: int = 0
+    promotions_completed: int = 0
+    promotions_failed: int = 0
+    promotions_dropped: int = 0
+    cascades_submitted: int = 0
+    cascades_completed: int = 0
+    cascades_failed: int = 0
+    cascades_dropped: int = 0
+    cascade_probes: int = 0
+    cascades_timed_out: int = 0
+    promotions_timed_out: int = 0
+    late_results: int = 0
+    transfers_abandoned: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TieringStats:
+    """A snapshot of a tiering manager: its counters, its transfers now, and its primary's stats."""
+
+    primary: CPUStats
+    secondary_hits: int
+    promotions_reserved: int
+    promotions_submitted: int
+    promotions_completed: int
+    promotions_failed: int
+    promotions_dropped: int
+    cascades_submitted: int
+    cascades_completed: int
+    cascades_failed: int
+    cascades_dropped: int
+    cascade_probes: int
+    cascades_timed_out: int
+    promotions_timed_out: int
+    late_results: int
+    transfers_abandoned: int
+    transfer_jobs_in_flight: int
+    transfers_quarantined: int
+
+    def as_dict(self) -> dict[str, int]:
+        """Every number by name, the primary's first (logs, JSON, metrics)."""
+        own = {k: v for k, v in asdict(self).items() if k != "primary"}
+        return {**self.primary.as_dict(), **own}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +206,7 @@ class TieringManager(OffloadingManager):
         cascades to slow tiers; ``clock`` (default ``time.monotonic``) times both."""
         self._primary = primary
         self._tiers: tuple[SecondaryTier, ...] = tuple(tiers)
-        self._job_machine: SpecMachine[JobState, JobEvent] = job_machine(checked)
+        self._job_machine: SpecMachine[JobState, JobEvent, JobEffect] = job_machine(checked)
         self._next_job_id = 0
         self._transfer_jobs: dict[int, _Transfer] = {}
         # Promotions reserved by lookups this step, per tier: req_id -> keys (slots are already writing).
@@ -165,47 +217,36 @@ class TieringManager(OffloadingManager):
         self._clock: Clock = clock if clock is not None else time.monotonic
         self._expiry = DeadlineQueue()
         # Timed-out transfers whose tier has not reported yet: their slots stay pinned/reserved until it does.
-        self._quarantine: dict[int, _Transfer] = {}
+        self._quarantine: dict[int, Quarantined] = {}
         self._backpressure: tuple[CascadeBackpressure | None, ...] = tuple(
             None if backpressure is None else CascadeBackpressure(backpressure) for _ in self._tiers
         )
         # Per tier: cascades in flight, job id -> submission time (oldest first).
         self._cascades_inflight: list[dict[int, float]] = [{} for _ in self._tiers]
         self._abandoned = False  # shutdown gave up on every transfer: nothing is pending any more
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "secondary_hits",
-                "promotions_reserved",
-                "promotions_submitted",
-                "promotions_completed",
-                "promotions_failed",
-                "promotions_dropped",
-                "cascades_submitted",
-                "cascades_completed",
-                "cascades_failed",
-                "cascades_dropped",
-                "cascade_probes",
-                "cascades_timed_out",
-                "promotions_timed_out",
-                "late_results",
-                "transfers_abandoned",
-            ),
-            0,
-        )
+        self._stats = TieringCounters()
 
     # -- introspection --
 
+    @override
     @property
     def primary(self) -> CPUOffloadingManager:
+        """The CPU primary in front of the tiers."""
         return self._primary
 
     @property
     def tiers(self) -> tuple[SecondaryTier, ...]:
         return self._tiers
 
+    @override
     @property
     def num_transfer_jobs(self) -> int:
+        """Primary <-> tier jobs submitted and not yet applied (timed-out ones are quarantined instead)."""
         return len(self._transfer_jobs)
+
+    @override
+    def transfer_in_flight(self, job_id: int) -> bool:
+        return job_id in self._transfer_jobs
 
     def transfer_job(self, job_id: int) -> Job:
         rec = self._transfer_jobs.get(job_id)
@@ -228,16 +269,17 @@ class TieringManager(OffloadingManager):
         """Keys reserved for promotion and not yet submitted (O(tiers x requests queued this step))."""
         return sum(len(keys) for per_req in self._queued for keys in per_req.values())
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._primary.stats(),
-            **self._stats,
-            "transfer_jobs_in_flight": len(self._transfer_jobs),
-            "transfers_quarantined": len(self._quarantine),
-        }
+    def stats(self) -> TieringStats:
+        return TieringStats(
+            primary=self._primary.stats(),
+            **asdict(self._stats),
+            transfer_jobs_in_flight=len(self._transfer_jobs),
+            transfers_quarantined=len(self._quarantine),
+        )
 
     # -- OffloadingManager --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._maybe_poll()
         result = self._primary.lookup(key, ctx)
@@ -247,29 +289,33 @@ class TieringManager(OffloadingManager):
         for i, tier in enumerate(self._tiers):
             answer = tier.lookup(key, ctx)
             if answer is LookupResult.HIT:
-                self._stats["secondary_hits"] += 1
+                self._stats.secondary_hits += 1
                 # Reserve now so later lookups see HIT_PENDING and never promote the key twice.
                 if self._primary.prepare_write([key]) is None:
                     return LookupResult.MISS  # primary full: a miss, not a retry loop
                 self._queued[i].setdefault(ctx.req_id, []).append(key)
-                self._stats["promotions_reserved"] += 1
+                self._stats.promotions_reserved += 1
                 return LookupResult.HIT_PENDING
             if answer is LookupResult.RETRY:
                 retry = True
         return LookupResult.RETRY if retry else LookupResult.MISS
 
+    @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         self._maybe_poll()
         return self._primary.prepare_load(keys, ctx)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._primary.complete_load(keys, ctx)
 
+    @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         # Poll first: finished cascades unpin slots that this eviction decision may then take.
         self._maybe_poll()
         return self._primary.prepare_store(keys, ctx)
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         primary = self._primary
         # Only keys this call commits are cascaded (a repeated or post-reset completion cascades nothing).
@@ -281,24 +327,28 @@ class TieringManager(OffloadingManager):
         now = self._clock()
         for i, tier in enumerate(self._tiers):
             if not self._admit_cascade(i, now):
-                self._stats["cascades_dropped"] += 1  # never a job: nothing pinned, the CPU copy stays
+                self._stats.cascades_dropped += 1  # never a job: nothing pinned, the CPU copy stays
                 continue
             spec = primary.prepare_read(keys_t)  # pinned until the cascade finishes
             job = self._new_job(JobKind.CASCADE, ctx.req_id, keys_t, spec)
             self._submit(i, job, tier.submit_store, partial(primary.complete_read, keys_t))
-            self._stats["cascades_submitted"] += 1
+            self._stats.cascades_submitted += 1
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self._primary.touch(keys, ctx)
         for tier in self._tiers:
             tier.touch(keys, ctx)
 
+    @override
     def on_new_request(self, ctx: ReqContext) -> None:
         self._primary.on_new_request(ctx)
 
+    @override
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._primary.on_request_finished(ctx)
 
+    @override
     def on_schedule_end(self) -> None:
         self._poll()
         self.expire_transfers()
@@ -308,6 +358,7 @@ class TieringManager(OffloadingManager):
         self._polled = False
         self._primary.on_schedule_end()
 
+    @override
     def has_pending_work(self) -> bool:
         """In-flight transfers, or a tier's own work. O(tiers): never walks the jobs.
 
@@ -321,12 +372,14 @@ class TieringManager(OffloadingManager):
             return True
         return any(tier.has_pending_work() for tier in self._tiers)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events = self._primary.take_events()
         for tier in self._tiers:
             events.extend(tier.take_events())
         return events
 
+    @override
     def reset_cache(self) -> None:
         """Drain every tier (blocking), apply the results, drop queued promotions, reset the primary.
 
@@ -364,6 +417,7 @@ class TieringManager(OffloadingManager):
         self._expiry.compact(self._transfer_jobs, len(self._transfer_jobs))
         return n
 
+    @override
     def abandon_transfers(self) -> int:
         """Shutdown gives up: every transfer times out, queued promotions are dropped, and from now on
         nothing is pending work. Slots stay quarantined until the tiers report (or shutdown releases
@@ -376,14 +430,15 @@ class TieringManager(OffloadingManager):
         self._abandoned = True
         return len(recs)
 
+    @override
     def shutdown(self, timeout: float | None = None) -> None:
         """Shut the tiers down (each within the time left, on a helper thread when bounded), apply what
         they reported, time out the rest, and release every slot a transfer still held: afterwards no
         transfer is in flight and nothing is pinned. Then the primary."""
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else self._clock() + timeout
         stuck: set[int] = set()
         for i, tier in enumerate(self._tiers):
-            left = None if end is None else max(0.0, end - time.monotonic())
+            left = None if end is None else max(0.0, end - self._clock())
             if left is None:
                 tier.shutdown()
             elif not run_bounded(with_timeout(tier.shutdown, left), left + 0.05, f"tier {tier.name}"):
@@ -394,9 +449,9 @@ class TieringManager(OffloadingManager):
             logger.exception("results reported at shutdown were malformed; giving up on them")
         self.abandon_transfers()
         primary = self._primary
-        for rec in self._quarantine.values():
-            self._release(rec, success=False, invalidate=False)
-            self._stats["transfers_abandoned"] += 1
+        for q in self._quarantine.values():
+            self._release(q.job, q.tier, invalidate=False)
+            self._stats.transfers_abandoned += 1
         self._quarantine.clear()
         for inflight in self._cascades_inflight:
             inflight.clear()
@@ -425,8 +480,8 @@ class TieringManager(OffloadingManager):
             submit(tier_job)
         except BaseException:
             del self._transfer_jobs[job.job_id]
-            job.fail()
-            rollback()
+            if job.fail() is JobEffect.RELEASE:  # the tier's one report: a refusal releases the job
+                rollback()
             raise
         if job.kind is JobKind.CASCADE:
             self._cascades_inflight[tier_idx][job.job_id] = now
@@ -445,32 +500,35 @@ class TieringManager(OffloadingManager):
         if not bp.under_pressure:
             return True
         if not inflight:
-            self._stats["cascade_probes"] += 1
+            self._stats.cascade_probes += 1
             return True
         return False
 
     def _time_out(self, rec: _Transfer, now: float) -> None:
         """The transfer's deadline passed: it ends timed_out; its slots wait in quarantine for the tier."""
         job = rec.job
-        job.time_out()  # the effect is release, carried out when the tier reports (see _release)
+        match job.time_out():
+            case JobEffect.RELEASE:  # carried out once the tier reports the copy finished (see _apply)
+                self._quarantine[job.job_id] = Quarantined(job, ReqContext(job.req_id), 1, rec.tier)
+            case effect:
+                raise AssertionError(f"time_out of {job!r} gave {effect!r}; spec/job.toml says release")
         del self._transfer_jobs[job.job_id]
-        self._quarantine[job.job_id] = rec
         if job.kind is JobKind.CASCADE:
             self._cascades_inflight[rec.tier].pop(job.job_id, None)
             bp = self._backpressure[rec.tier]
             if bp is not None:
                 bp.on_completed(now - rec.submitted_at)  # a timeout is a latency at least this long
-            self._stats["cascades_timed_out"] += 1
+            self._stats.cascades_timed_out += 1
         else:
-            self._stats["promotions_timed_out"] += len(job.keys)
+            self._stats.promotions_timed_out += len(job.keys)
 
-    def _release(self, rec: _Transfer, *, success: bool, invalidate: bool) -> None:
-        """Hand back what a timed-out transfer held, as for a failure (a late success never commits)."""
-        job = rec.job
+    def _release(self, job: Job, tier_idx: int, *, invalidate: bool) -> None:
+        """The RELEASE effect: a promotion frees its slot (and, with ``invalidate``, the tier forgets its
+        copy); a cascade unpins its slot, whose CPU copy stays valid."""
         if job.kind is JobKind.PROMOTE:
             self._primary.complete_write(job.keys, False)
-            if invalidate and not success:
-                self._invalidate(self._tiers[rec.tier], job.keys)
+            if invalidate:
+                self._invalidate(self._tiers[tier_idx], job.keys)
         else:
             self._primary.complete_read(job.keys)
 
@@ -485,7 +543,7 @@ class TieringManager(OffloadingManager):
                 slots = SlotSpec(tuple(self._slot_id(k) for k in keys_t))
                 job = self._new_job(JobKind.PROMOTE, req_id, keys_t, slots)
                 self._submit(i, job, tier.submit_load, partial(primary.complete_write, keys_t, False))
-                self._stats["promotions_submitted"] += len(keys_t)
+                self._stats.promotions_submitted += len(keys_t)
 
     def _slot_id(self, key: OffloadKey) -> int:
         sid = self._primary.slot_id(key)
@@ -497,7 +555,7 @@ class TieringManager(OffloadingManager):
         for per_req in self._queued:
             for keys in per_req.values():
                 self._primary.complete_write(keys, False)
-                self._stats["promotions_dropped"] += len(keys)
+                self._stats.promotions_dropped += len(keys)
             per_req.clear()
 
     def _maybe_poll(self) -> None:
@@ -520,7 +578,7 @@ class TieringManager(OffloadingManager):
         for res in results:
             if res.job_id in self._stale_ids:
                 continue
-            rec = self._transfer_jobs.get(res.job_id)
+            rec: _Transfer | Quarantined | None = self._transfer_jobs.get(res.job_id)
             if rec is None:
                 rec = self._quarantine.get(res.job_id)  # a late result of a timed-out transfer
             if rec is None or rec.tier != tier_idx or res.job_id in seen:
@@ -542,41 +600,49 @@ class TieringManager(OffloadingManager):
         return live
 
     def _apply(self, tier_idx: int, tier: SecondaryTier, results: list[JobResult]) -> None:
-        primary = self._primary
+        """Report each result to its job and carry out the effect the job machine returns."""
         now = self._clock()
         for res in results:
             late = self._quarantine.pop(res.job_id, None)
             if late is not None:
-                self._stats["late_results"] += 1
-                self._release(late, success=res.success, invalidate=True)
+                # Timed out already (its RELEASE is pending): a late success never commits.
+                late.report()
+                self._stats.late_results += 1
+                self._release(late.job, late.tier, invalidate=not res.success)
                 continue
             rec = self._transfer_jobs.pop(res.job_id)
             job = rec.job
-            if res.success:
-                job.ack(1)
-            else:
-                job.fail()
-            if job.kind is JobKind.PROMOTE:
-                primary.complete_write(job.keys, res.success)
-                if res.success:
-                    self._stats["promotions_completed"] += len(job.keys)
-                else:
-                    self._stats["promotions_failed"] += len(job.keys)
-                    # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
-                    # would promote it again forever.
-                    self._invalidate(tier, job.keys)
-            else:
-                self._cascades_inflight[tier_idx].pop(job.job_id, None)
-                bp = self._backpressure[tier_idx]
-                if bp is not None and res.success:
-                    bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
-                # Either way the primary copy stays valid: unpin it.
-                primary.complete_read(job.keys)
-                self._stats["cascades_completed" if res.success else "cascades_failed"] += 1
+            effect = job.ack(1) if res.success else job.fail()
+            match effect:
+                case JobEffect.COMMIT:
+                    self._commit(rec, now)
+                case JobEffect.RELEASE:
+                    if job.kind is JobKind.CASCADE:
+                        self._cascades_inflight[tier_idx].pop(job.job_id, None)
+                        self._stats.cascades_failed += 1
+                    else:
+                        # The tier's copy (or its cached verdict) is bad: forget it, or the next lookup
+                        # would promote it again forever.
+                        self._stats.promotions_failed += len(job.keys)
+                    self._release(job, tier_idx, invalidate=True)
+                case _:
+                    raise AssertionError(f"the one report of {job!r} gave {effect!r}; expected commit or release")
+
+    def _commit(self, rec: _Transfer, now: float) -> None:
+        """The COMMIT effect: a promotion's slots become readable; a cascade's slots are unpinned."""
+        job = rec.job
+        if job.kind is JobKind.PROMOTE:
+            self._primary.complete_write(job.keys, True)
+            self._stats.promotions_completed += len(job.keys)
+            return
+        self._cascades_inflight[rec.tier].pop(job.job_id, None)
+        bp = self._backpressure[rec.tier]
+        if bp is not None:
+            bp.on_completed(now - rec.submitted_at)  # only successful latencies, as vLLM
+        self._primary.complete_read(job.keys)
+        self._stats.cascades_completed += 1
 
     @staticmethod
-    def _invalidate(tier: SecondaryTier, keys: Sequence[OffloadKey]) -> None:
-        invalidate = getattr(tier, "invalidate", None)
-        if callable(invalidate):
-            for key in keys:
-                invalidate(key)
+    def _invalidate(tier: SecondaryTier, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            tier.invalidate(key)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-from kvfsm.states import JobKind
+from typing import NewType
 
 __all__ = [
     "GPUBlockSpec",
@@ -15,16 +14,15 @@ __all__ = [
     "PrepareStoreOutput",
     "ReqContext",
     "SlotSpec",
-    "TransferJob",
     "make_offload_key",
 ]
 
 #: A chunk's identity in every tier: the block hash of its last hash-block plus the group index.
-OffloadKey = bytes
+OffloadKey = NewType("OffloadKey", bytes)
 
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
-    return block_hash + group_idx.to_bytes(4, "big")
+    return OffloadKey(block_hash + group_idx.to_bytes(4, "big"))
 
 
 class LookupResult(Enum):
@@ -70,14 +68,3 @@ class OffloadingEvent:
     keys: tuple[OffloadKey, ...]
     medium: str
     removed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class TransferJob:
-    """One job as the worker sees it. Stores copy gpu -> slots; loads copy slots -> gpu."""
-
-    job_id: int
-    req_id: str
-    kind: JobKind
-    gpu: GPUBlockSpec
-    slots: SlotSpec

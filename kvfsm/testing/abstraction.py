@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvfsm.check.model import ABSENT, WRITING, State
-from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import OffloadKey
 from kvfsm.states import JobKind, JobState, RequestState, SlotState
 from kvfsm.testing.system import SystemHarness
@@ -70,6 +69,5 @@ def project_system(h: SystemHarness, request_ids: Iterable[str], keys: Iterable[
     slots = tuple(
         sorted(state.value for state in (primary.slot_state(k) for k in keys) if state is not SlotState.ABSENT)
     )
-    manager = h.manager
-    tier = manager.num_transfer_jobs if isinstance(manager, TieringManager) else 0
+    tier = h.manager.num_transfer_jobs
     return (h.state.value, phases, jobs, slots, tier)

@@ -14,7 +14,7 @@ Adding an event to the spec without a rule therefore fails at import time, befor
         def complete_copy(self, data: st.DataObject) -> None: ...
 
 :class:`TransitionLog` records every transition the implementation fires (through
-:func:`kvfsm.fsm.set_tracer`), so a test can also check which events a run actually reached.
+:func:`kvfsm.fsm.add_tracer`), so a test can also check which events a run actually reached.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvfsm.fsm import TransitionTracer, set_tracer
+from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
 from kvfsm.spec_loader import MACHINE_NAMES, load_machine
 
 __all__ = [
@@ -158,13 +158,13 @@ class TransitionLog:
     ``on_transition`` callbacks see each transition with its model.
     """
 
-    __slots__ = ("_installed", "_previous", "counts", "edges", "on_transition")
+    __slots__ = ("_handle", "_installed", "counts", "edges", "on_transition")
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.edges: set[tuple[str, str, str, str]] = set()
         self.on_transition: list[Callable[[str, object, str, str, str], None]] = []
-        self._previous: TransitionTracer | None = None
+        self._handle: TracerHandle | None = None
         self._installed = False
 
     def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
@@ -172,19 +172,18 @@ class TransitionLog:
         self.edges.add((machine, event, source, dest))
         for callback in self.on_transition:
             callback(machine, model, event, source, dest)
-        if self._previous is not None:
-            self._previous(machine, model, event, source, dest)
 
     def install(self) -> TransitionLog:
         if not self._installed:
-            self._previous = set_tracer(self)
+            self._handle = add_tracer(self)
             self._installed = True
         return self
 
     def uninstall(self) -> None:
         if self._installed:
-            set_tracer(self._previous)
-            self._previous = None
+            if self._handle is not None:
+                remove_tracer(self._handle)
+            self._handle = None
             self._installed = False
 
     def __enter__(self) -> TransitionLog:

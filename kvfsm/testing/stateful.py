@@ -27,7 +27,7 @@ What a tier must do (each is checked after every rule; see :meth:`SecondaryTierS
 * keep ``TieringManager.has_pending_work()`` True while any job is submitted and not yet reported (the
   manager counts it; the tier only has to report it eventually);
 * answer lookups with HIT, MISS or RETRY, and never HIT for a key whose promotion just failed (if the
-  tier has ``invalidate``; otherwise a failed promotion would be retried forever).
+  tier overrides ``SecondaryTier.invalidate``; otherwise a failed promotion would be retried forever).
 
 Tiers complete their jobs on their own (threads) or when told: for the latter, override
 :meth:`~SecondaryTierStateMachine.pending_jobs` and :meth:`~SecondaryTierStateMachine.complete` and the
@@ -43,8 +43,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
@@ -138,9 +140,20 @@ class RecordingTier(SecondaryTier):
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
-        # Optional tier methods the manager looks up by name (``invalidate``), and the tier's own API.
+        # The tier's own API beyond SecondaryTier (test controls such as ``pending_job_ids``).
         return getattr(self.inner, name)
 
+    @property
+    def forgets_failed_promotions(self) -> bool:
+        """Whether the tier under test implements :meth:`SecondaryTier.invalidate` (the default forgets
+        nothing, so a failed promotion may be retried)."""
+        return type(self.inner).invalidate is not SecondaryTier.invalidate
+
+    @override
+    def invalidate(self, key: OffloadKey) -> None:
+        self.inner.invalidate(key)
+
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         answer: object = self.inner.lookup(key, ctx)
         if not isinstance(answer, LookupResult):
@@ -165,12 +178,15 @@ class RecordingTier(SecondaryTier):
             self.io.close(job.slot_ids, write=promotion)
             raise
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self._submit(job, promotion=False)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._submit(job, promotion=True)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = list(self.inner.get_finished_jobs())
         for res in results:
@@ -186,21 +202,27 @@ class RecordingTier(SecondaryTier):
                 self.failed_promotions.extend(job.keys)
         return results
 
+    @override
     def has_pending_work(self) -> bool:
         return self.inner.has_pending_work()
 
+    @override
     def drain_jobs(self) -> None:
         self.inner.drain_jobs()
 
+    @override
     def on_schedule_end(self) -> None:
         self.inner.on_schedule_end()
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.inner.touch(keys, ctx)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         return self.inner.take_events()
 
+    @override
     def shutdown(self) -> None:
         self.inner.shutdown()
 
@@ -275,8 +297,10 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         key = self.keys[k % self.num_keys]
         prepared = self.manager.prepare_store([key], _CTX)
         if prepared is None or not prepared.keys_to_store:
+            note(f"store key {k % self.num_keys}: {'no room' if prepared is None else 'already held'}")
             return  # no room now, or already held
         (slot_id,) = prepared.store_spec.slot_ids
+        note(f"store key {k % self.num_keys} into slot {slot_id} ({'succeeds' if ok else 'fails'})")
         if ok:
             self.io.put(slot_id, key_content(key, self.slot_nbytes))
         self.manager.complete_store([key], _CTX, success=ok)
@@ -289,6 +313,7 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         answer = self.manager.lookup(key, _CTX)
         assert isinstance(answer, LookupResult), f"lookup returned {answer!r}"
         state = self.primary.slot_state(key)
+        note(f"lookup key {k % self.num_keys}: {answer.value} (primary slot {state.value})")
         if answer is LookupResult.HIT:
             assert state in (SlotState.READY, SlotState.READING), f"HIT for a key that is {state.value}"
         if answer is LookupResult.HIT_PENDING:
@@ -304,17 +329,20 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
             return
         spec = self.manager.prepare_load([key], _CTX)
         (slot_id,) = spec.slot_ids
+        note(f"load key {k % self.num_keys} from slot {slot_id}")
         assert self.io.get(slot_id) == key_content(key, self.slot_nbytes), f"slot {slot_id} lost its bytes"
         self.manager.complete_load([key], _CTX)
 
     @rule()
     def step(self) -> None:
         """The end of a scheduler step: the manager polls the tier and submits queued promotions."""
+        note(f"step ({self.manager.num_transfer_jobs} transfers in flight)")
         self.manager.on_schedule_end()
 
     @rule()
     def drain(self) -> None:
         """drain_jobs blocks until every submitted job has finished; the next poll reports all of them."""
+        note(f"drain ({self.manager.num_transfer_jobs} transfers in flight)")
         self.tier.drain_jobs()
         self.manager.on_schedule_end()  # applies the drained results, then submits queued promotions
         self.tier.drain_jobs()
@@ -328,11 +356,13 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     def complete_one(self, data: st.DataObject, success: bool) -> None:
         """One job the test controls finishes (applied at the next poll)."""
         job_id = data.draw(st.sampled_from(self._pending()), label="tier job")
+        note(f"tier job {job_id} finishes ({'succeeds' if success else 'fails'})")
         self.complete(self.tier.inner, job_id, success)
 
     @rule()
     def reset(self) -> None:
         """reset_cache: the manager drains the tier, then empties the primary (the tier keeps its data)."""
+        note("reset_cache")
         self.manager.reset_cache()
         assert self.manager.num_transfer_jobs == 0
 
@@ -364,7 +394,7 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         # A failed promotion must not be promoted again and again (no livelock): the tier forgets the key.
         fresh = self.tier.failed_promotions[self._promoted_failed_seen :]
         self._promoted_failed_seen = len(self.tier.failed_promotions)
-        if callable(getattr(self.tier.inner, "invalidate", None)):
+        if self.tier.forgets_failed_promotions:
             for key in fresh:
                 if (
                     primary.slot_state(key) is SlotState.ABSENT

@@ -39,11 +39,11 @@ from typing import Any, ClassVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
 from kvfsm.control.manager import OffloadingManager
-from kvfsm.control.memory_tier import InMemoryTier
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import OffloadKey, ReqContext, make_offload_key
@@ -53,6 +53,7 @@ from kvfsm.invariants import SystemView, check_all
 from kvfsm.spec_loader import load_machine
 from kvfsm.states import EngineState, JobKind, SlotState
 from kvfsm.testing.coverage import TransitionLog, covers, spec_covered
+from kvfsm.tiers.memory import InMemoryTier
 
 __all__ = [
     "SYSTEM_EXEMPT",
@@ -120,10 +121,12 @@ class CountingCPUManager(CPUOffloadingManager):
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         self.hook(JobKind.STORE, keys)
         super().complete_store(keys, ctx, success)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.hook(JobKind.LOAD, keys)
         super().complete_load(keys, ctx)
@@ -136,10 +139,12 @@ class CountingTieringManager(TieringManager):
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         self.hook(JobKind.STORE, keys)
         super().complete_store(keys, ctx, success)
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         self.hook(JobKind.LOAD, keys)
         super().complete_load(keys, ctx)
@@ -179,11 +184,9 @@ class SystemHarness(ABC):
 
     @property
     def primary(self) -> CPUOffloadingManager:
-        m = self.manager
-        if isinstance(m, TieringManager):
-            return m.primary
-        assert isinstance(m, CPUOffloadingManager)
-        return m
+        primary = self.manager.primary
+        assert primary is not None, f"{type(self.manager).__name__} has no CPU primary"
+        return primary
 
     @property
     @abstractmethod
@@ -653,10 +656,10 @@ class SystemStateMachine(RuleBasedStateMachine):
             pending.extend(f"un-launched store {j} on rank {rank}" for j in h.unlaunched_store_ids(rank) if live(j))
         pending.extend(f"{j!r} not terminal" for j in self._jobs.values() if not j.is_terminal)
         manager = h.manager
-        if h.tier is not None and isinstance(manager, TieringManager):
+        if h.tier is not None:
             # A timed-out transfer is given up on (quarantined), by the spec no longer pending.
-            pending.extend(f"tier job {j} pending" for j in h.tier.pending_job_ids() if self._tier_job_live(manager, j))
-        if isinstance(manager, TieringManager) and manager.num_transfer_jobs:
+            pending.extend(f"tier job {j} pending" for j in h.tier.pending_job_ids() if manager.transfer_in_flight(j))
+        if manager.num_transfer_jobs:
             pending.append(f"{manager.num_transfer_jobs} tier transfers not applied")
         if pending and h.state is not EngineState.STOPPED:
             if not s.has_pending_push_work():
@@ -693,8 +696,7 @@ class SystemStateMachine(RuleBasedStateMachine):
                 tj = h.tier.pending_job(tj_id)
                 want = SlotState.WRITING if tj.is_promotion else SlotState.READING
                 what = "promotion" if tj.is_promotion else "cascade"
-                manager = h.manager
-                if isinstance(manager, TieringManager) and not self._tier_job_live(manager, tj_id):
+                if not h.manager.transfer_in_flight(tj_id):
                     continue  # timed out: its slot is quarantined, not owned
                 owners.append((f"{what} {tj_id}", tj.keys, tj.slot_ids, want))
         for what, keys, slot_ids, want in owners:
@@ -730,13 +732,6 @@ class SystemStateMachine(RuleBasedStateMachine):
             if state in (SlotState.READY, SlotState.READING):
                 out.extend(h.slot_violations(key, sid, hashes))
         return out
-
-    @staticmethod
-    def _tier_job_live(manager: TieringManager, job_id: int) -> bool:
-        try:
-            return not manager.transfer_job(job_id).is_terminal
-        except KeyError:
-            return False
 
     def _check_now(self) -> None:
         violations = self.system_violations()

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfsm.control.types import OffloadKey
 from kvfsm.errors import KvfsmError
 from kvfsm.faults import FaultPlan
 
@@ -70,7 +71,7 @@ class FileInfo:
 
 @dataclass(slots=True)
 class ScanResult:
-    entries: dict[bytes, FileInfo]
+    entries: dict[OffloadKey, FileInfo]
     temp_removed: int = 0
     bad_removed: int = 0
     old_versions_removed: int = 0
@@ -370,5 +371,5 @@ class BlockIO:
                 if prev is not None and self.unlink(prev[0].path, quiet=True):
                     result.old_versions_removed += 1
                 newest[knm] = (info, key)
-        result.entries = {key: info for info, key in newest.values()}
+        result.entries = {OffloadKey(key): info for info, key in newest.values()}
         return result

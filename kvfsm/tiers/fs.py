@@ -31,24 +31,26 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import partial
 
-from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
-from kvfsm.control.memory_tier import SlotIO
+from typing_extensions import override
+
+from kvfsm.control.cpu import SlotModel
+from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
-from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
+from kvfsm.errors import ConfigError, KvfsmError
 from kvfsm.faults import FaultPlan
 from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEvent, SlotState
+from kvfsm.states import SlotEffect, SlotEvent, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, FileInfo, ScanResult
 from kvfsm.tiers.lookup import AsyncLookup
 from kvfsm.tiers.pool import DualQueuePool
-from kvfsm.tiers.slotio import slot_nbytes
+from kvfsm.tiers.slotio import SlotIO, slot_nbytes
 
-__all__ = ["FileSystemTier", "ScanState"]
+__all__ = ["FileSystemTier", "FsTierCounters", "FsTierStats", "ScanState"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +68,72 @@ class ScanState(Enum):
 
 
 @dataclass(slots=True, eq=False)
-class _Entry:
-    """One key held by the tier (the slot machine's model)."""
+class _Entry(SlotModel):
+    """One key held by the tier (the slot machine's model: state and readers, moved by its methods)."""
 
     key: OffloadKey
     version: int
     reserved: int  #: bytes counted against the capacity (an estimate while writing)
-    state: SlotState = SlotState.ABSENT
-    readers: int = 0
     info: FileInfo | None = None
     doomed: bool = False  #: invalidated while being read: evicted when the last reader is done
 
-    def current(self) -> SlotState:
-        """The state, read through a call so that mypy does not narrow it across transitions."""
-        return self.state
+
+@dataclass(slots=True)
+class FsTierCounters:
+    """What a file-system tier has counted since it was built."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    retries: int = 0
+    stores_submitted: int = 0
+    stores_committed: int = 0
+    stores_failed: int = 0
+    stores_rejected: int = 0
+    loads_submitted: int = 0
+    loads_completed: int = 0
+    loads_failed: int = 0
+    corrupt_detected: int = 0
+    evictions: int = 0
+    invalidations: int = 0
+    probe_hits: int = 0
+    scan_entries: int = 0
+    temp_files_removed: int = 0
+    bad_files_removed: int = 0
+    old_versions_removed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FsTierStats:
+    """A snapshot of a file-system tier: its counters and its index and I/O now."""
+
+    lookups: int
+    hits: int
+    misses: int
+    retries: int
+    stores_submitted: int
+    stores_committed: int
+    stores_failed: int
+    stores_rejected: int
+    loads_submitted: int
+    loads_completed: int
+    loads_failed: int
+    corrupt_detected: int
+    evictions: int
+    invalidations: int
+    probe_hits: int
+    scan_entries: int
+    temp_files_removed: int
+    bad_files_removed: int
+    old_versions_removed: int
+    entries: int
+    used_bytes: int
+    jobs_in_flight: int
+    io_pending: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The same numbers by field name (logs, JSON, metrics)."""
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +181,12 @@ class FileSystemTier(SecondaryTier):
                 raise ConfigError(f"tier {name!r}: {what}={cap!r}; expected an int >= 1 or None")
         self.name = name
         self.slot_io = slot_io
-        self.faults = faults
+        self._faults = faults
         self.capacity_bytes = capacity_bytes
         self.capacity_files = capacity_files
         self._cancel = threading.Event()
         self._io = BlockIO(root, faults=faults, durable=durable, cancel=self._cancel)
-        self._machine: SpecMachine[SlotState, SlotEvent] = slot_machine(checked)
+        self._machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = slot_machine(checked)
         self._entries: dict[OffloadKey, _Entry] = {}
         self._ready: OrderedDict[OffloadKey, None] = OrderedDict()  # ready entries, least recent first
         self._used_bytes = 0
@@ -143,30 +197,7 @@ class FileSystemTier(SecondaryTier):
         self._last_version = 0
         self._payload_hint = 0
         self._closed = False
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "hits",
-                "misses",
-                "retries",
-                "stores_submitted",
-                "stores_committed",
-                "stores_failed",
-                "stores_rejected",
-                "loads_submitted",
-                "loads_completed",
-                "loads_failed",
-                "corrupt_detected",
-                "evictions",
-                "invalidations",
-                "probe_hits",
-                "scan_entries",
-                "temp_files_removed",
-                "bad_files_removed",
-                "old_versions_removed",
-            ),
-            0,
-        )
+        self._stats = FsTierCounters()
         self._pool = DualQueuePool(read_threads, write_threads, name=f"kvfsm-{name}")
         self._lookup: AsyncLookup[OffloadKey, FileInfo | None] = AsyncLookup(
             self._io.probe, None, name=f"kvfsm-{name}-lookup", ttl_steps=lookup_ttl_steps
@@ -184,6 +215,16 @@ class FileSystemTier(SecondaryTier):
             self._scan_thread.start()
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """The fault plan consulted at every file and slot operation (tests may swap it at any time)."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, plan: FaultPlan | None) -> None:
+        self._faults = plan
+        self._io.faults = plan
 
     @property
     def root(self) -> str:
@@ -219,7 +260,7 @@ class FileSystemTier(SecondaryTier):
         return [k for k, e in self._entries.items() if e.state in _READABLE and not e.doomed]
 
     def __contains__(self, key: object) -> bool:
-        e = self._entries.get(key) if isinstance(key, bytes) else None
+        e = self._entries.get(OffloadKey(key)) if isinstance(key, bytes) else None
         return e is not None and e.state in _READABLE and not e.doomed
 
     def __len__(self) -> int:
@@ -228,14 +269,14 @@ class FileSystemTier(SecondaryTier):
     def pending_job_ids(self) -> list[int]:
         return list(self._jobs)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **self._stats,
-            "entries": len(self._entries),
-            "used_bytes": self._used_bytes,
-            "jobs_in_flight": len(self._jobs),
-            "io_pending": self._pool.pending,
-        }
+    def stats(self) -> FsTierStats:
+        return FsTierStats(
+            **asdict(self._stats),
+            entries=len(self._entries),
+            used_bytes=self._used_bytes,
+            jobs_in_flight=len(self._jobs),
+            io_pending=self._pool.pending,
+        )
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the I/O pool is idle (tests; a real engine polls instead)."""
@@ -261,25 +302,27 @@ class FileSystemTier(SecondaryTier):
 
     # ------------------------------------------------------------------ SecondaryTier
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        self._stats["lookups"] += 1
+        self._stats.lookups += 1
         self._apply_scan()
         e = self._entries.get(key)
         if e is not None and e.state in _READABLE and not e.doomed:
-            self._stats["hits"] += 1
+            self._stats.hits += 1
             if key in self._ready:
                 self._ready.move_to_end(key)  # a hit is a use: do not evict it before its promotion runs
             return LookupResult.HIT
         if e is not None or self._scan_state is ScanState.DONE:
-            self._stats["misses"] += 1
+            self._stats.misses += 1
             return LookupResult.MISS  # being written (the primary holds it), invalidated, or not on disk
         verdict = self._lookup.lookup(key, ctx.req_id)
         if verdict is None:
-            self._stats["retries"] += 1
+            self._stats.retries += 1
             return LookupResult.RETRY
-        self._stats["misses"] += 1
+        self._stats.misses += 1
         return LookupResult.MISS  # a hit verdict became an entry when it was applied
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         io = self._check_submission(job, promotion=False)
         del io
@@ -293,14 +336,14 @@ class FileSystemTier(SecondaryTier):
             size = HEADER.size + len(key) + self._payload_size()
             if not self._make_room(size, 1):
                 ok = False
-                self._stats["stores_rejected"] += 1
+                self._stats.stores_rejected += 1
                 continue
-            e = _Entry(key, self._next_version(), size)
-            self._machine.fire(e, SlotEvent.BEGIN_WRITE)
+            e = _Entry(key, self._next_version(), size, machine=self._machine)
+            e.begin_write()
             self._entries[key] = e
             self._used_bytes += size
             tasks.append((key, slot_id, e.version))
-        self._stats["stores_submitted"] += len(tasks)
+        self._stats.stores_submitted += len(tasks)
         if not tasks:
             self._finished.append(JobResult(job.job_id, ok))
             return
@@ -309,6 +352,7 @@ class FileSystemTier(SecondaryTier):
             fut = self._pool.submit_write(self._write_block, key, slot_id, version)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, True, version))
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._check_submission(job, promotion=True)
         tasks: list[tuple[OffloadKey, int, FileInfo, int]] = []
@@ -320,10 +364,9 @@ class FileSystemTier(SecondaryTier):
                 continue
             if e.state is SlotState.READY:
                 self._ready.pop(key, None)
-            self._machine.fire(e, SlotEvent.BEGIN_READ)
-            e.readers += 1
+            e.begin_read()
             tasks.append((key, slot_id, e.info, e.version))
-        self._stats["loads_submitted"] += len(tasks)
+        self._stats.loads_submitted += len(tasks)
         if not tasks:
             self._finished.append(JobResult(job.job_id, ok))
             return
@@ -332,12 +375,14 @@ class FileSystemTier(SecondaryTier):
             fut = self._pool.submit_read(self._load_block, key, slot_id, info)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, False, version))
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._apply_scan()
         self._apply_done()
         finished, self._finished = self._finished, []
         return finished
 
+    @override
     def has_pending_work(self) -> bool:
         """Always False. Its cascades and promotions are counted by the tiering manager as jobs, and a
         lookup probe's answer matters only to a request that is waiting for it, which keeps the engine
@@ -349,10 +394,12 @@ class FileSystemTier(SecondaryTier):
         """Lookup probes queued or in flight (their answers are applied by the next step)."""
         return not self._closed and self._lookup.has_pending()
 
+    @override
     def drain_jobs(self) -> None:
         """Block until every queued or running I/O task has finished (reset_cache only)."""
         self._pool.wait_idle()
 
+    @override
     def on_schedule_end(self) -> None:
         self._apply_scan()
         if self._closed:
@@ -361,16 +408,19 @@ class FileSystemTier(SecondaryTier):
             if info is not None:
                 self._adopt(key, info, source="probe")
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         ready = self._ready
         for key in reversed(keys):
             if key in ready:
                 ready.move_to_end(key)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
+    @override
     def invalidate(self, key: OffloadKey) -> None:
         """The manager's hook after a failed promotion (called for every key of the job).
 
@@ -389,12 +439,13 @@ class FileSystemTier(SecondaryTier):
         e = self._entries.get(key)
         if e is None or e.state is SlotState.WRITING:
             return  # nothing held, or a new copy is being written (that one is not the bad one)
-        self._stats["invalidations"] += 1
+        self._stats.invalidations += 1
         if e.state is SlotState.READY:
             self._evict(e, unlink=True)
         else:
             e.doomed = True
 
+    @override
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop: cancel queued I/O (those tasks report failure), wake injected hangs, join the threads.
 
@@ -473,20 +524,7 @@ class FileSystemTier(SecondaryTier):
         what = "submit_load" if promotion else "submit_store"
         if self._closed:
             raise KvfsmError(f"tier {self.name!r} is shut down; {what} of job {job.job_id} expected an open tier")
-        if job.is_promotion is not promotion:
-            raise ConfigError(
-                f"tier {self.name!r}: {what} got job {job.job_id} with is_promotion={job.is_promotion}; "
-                f"expected is_promotion={promotion}"
-            )
-        if len(job.keys) != len(job.slot_ids):
-            raise ConfigError(
-                f"tier {self.name!r}: job {job.job_id} has {len(job.keys)} keys but {len(job.slot_ids)} slots; "
-                "expected one slot per key"
-            )
-        if job.job_id in self._jobs:
-            raise InvalidTransition(
-                "job", "in_flight", what, f"tier {self.name!r} already runs job {job.job_id}; expected a new id"
-            )
+        validate_tier_job(self.name, job, promotion=promotion, running=self._jobs)
         if self.slot_io is None:
             raise ConfigError(f"tier {self.name!r} has no slot_io; bind the CPU primary's slots before submitting")
         return self.slot_io
@@ -514,13 +552,15 @@ class FileSystemTier(SecondaryTier):
                 return False
             victim = self._entries[next(iter(self._ready))]
             self._evict(victim, unlink=True)
-            self._stats["evictions"] += 1
+            self._stats.evictions += 1
         return True
 
     def _evict(self, e: _Entry, *, unlink: bool) -> None:
-        effect = self._machine.fire(e, SlotEvent.EVICT)
-        if effect == "emit_removed":
-            self._events.append(OffloadingEvent((e.key,), self.name, removed=True))
+        match e.evict():
+            case SlotEffect.EMIT_REMOVED:
+                self._events.append(OffloadingEvent((e.key,), self.name, removed=True))
+            case _:
+                pass
         del self._entries[e.key]
         self._ready.pop(e.key, None)
         self._used_bytes -= e.reserved
@@ -541,15 +581,18 @@ class FileSystemTier(SecondaryTier):
             return
         if not self._make_room(info.size, 1):
             return  # does not fit: leave the file for a later instance with more room
-        e = _Entry(key, info.version, info.size)
-        self._machine.fire(e, SlotEvent.BEGIN_WRITE)
-        self._machine.fire(e, SlotEvent.COMMIT_WRITE)  # it was committed to disk before we saw it
+        e = _Entry(key, info.version, info.size, machine=self._machine)
+        e.begin_write()
+        e.commit_write()  # committed to disk before we saw it: no stored event (it is not new)
         e.info = info
         self._entries[key] = e
         self._ready[key] = None
         self._used_bytes += info.size
         self._payload_hint = self._payload_hint or info.payload_len
-        self._stats["probe_hits" if source == "probe" else "scan_entries"] += 1
+        if source == "probe":
+            self._stats.probe_hits += 1
+        else:
+            self._stats.scan_entries += 1
 
     def _apply_scan(self) -> None:
         fut = self._scan_future
@@ -562,9 +605,9 @@ class FileSystemTier(SecondaryTier):
             self._scan_state = ScanState.FAILED
             return
         result = fut.result()
-        self._stats["temp_files_removed"] += result.temp_removed
-        self._stats["bad_files_removed"] += result.bad_removed
-        self._stats["old_versions_removed"] += result.old_versions_removed
+        self._stats.temp_files_removed += result.temp_removed
+        self._stats.bad_files_removed += result.bad_removed
+        self._stats.old_versions_removed += result.old_versions_removed
         ours = list(self._ready)  # entries this instance made meanwhile are more recent than the scanned ones
         for key, info in sorted(result.entries.items(), key=lambda kv: kv[1].version):
             self._adopt(key, info, source="scan")
@@ -598,37 +641,38 @@ class FileSystemTier(SecondaryTier):
                 self._pool.submit_write(self._unlink, r.info.path)  # written for nothing
             return
         if r.ok and r.info is not None:
-            effect = self._machine.fire(e, SlotEvent.COMMIT_WRITE)
-            if effect == "emit_stored":
-                self._events.append(OffloadingEvent((e.key,), self.name, removed=False))
+            match e.commit_write():
+                case SlotEffect.EMIT_STORED:
+                    self._events.append(OffloadingEvent((e.key,), self.name, removed=False))
+                case _:
+                    pass
             e.info = r.info
             self._used_bytes += r.info.size - e.reserved
             e.reserved = r.info.size
             self._ready[e.key] = None
             self._payload_hint = r.info.payload_len
-            self._stats["stores_committed"] += 1
+            self._stats.stores_committed += 1
             if self._over(0, 0):
                 self._make_room(0, 0)
             return
-        self._machine.fire(e, SlotEvent.ABORT_WRITE)
+        e.abort_write()
         del self._entries[e.key]
         self._used_bytes -= e.reserved
-        self._stats["stores_failed"] += 1
+        self._stats.stores_failed += 1
 
     def _apply_load(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.state is not SlotState.READING or e.version != r.version:
             return
-        self._machine.fire(e, SlotEvent.END_READ)  # the guard reads ``readers`` before it drops
-        e.readers -= 1
+        e.end_read()
         if r.ok:
-            self._stats["loads_completed"] += 1
+            self._stats.loads_completed += 1
         else:
-            self._stats["loads_failed"] += 1
+            self._stats.loads_failed += 1
             if r.corrupt:
-                self._stats["corrupt_detected"] += 1
+                self._stats.corrupt_detected += 1
             if not r.cancelled:
                 e.doomed = True  # its own read failed: never promote it again
-                self._stats["invalidations"] += 1
+                self._stats.invalidations += 1
         if e.current() is SlotState.READY:
             if e.doomed:
                 self._evict(e, unlink=True)  # the reader may have removed it already: a quiet no-op then

@@ -12,12 +12,20 @@ from typing import Protocol, runtime_checkable
 
 from kvfsm.errors import ConfigError
 
-__all__ = ["CompositeSlotIO", "DictSlotIO", "SizedSlotIO", "slot_nbytes"]
+__all__ = ["CompositeSlotIO", "DictSlotIO", "SizedSlotIO", "SlotIO", "slot_nbytes"]
+
+
+class SlotIO(Protocol):
+    """Access to the CPU primary's slot bytes (the data plane's shared region)."""
+
+    def read_slot(self, slot_id: int) -> bytes: ...
+
+    def write_slot(self, slot_id: int, data: bytes) -> None: ...
 
 
 @runtime_checkable
 class SizedSlotIO(Protocol):
-    """A SlotIO (``kvfsm.control.memory_tier.SlotIO``) that also knows the size of one slot."""
+    """A :class:`SlotIO` that also knows the size of one slot."""
 
     @property
     def nbytes_per_slot(self) -> int: ...

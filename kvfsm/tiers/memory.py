@@ -9,21 +9,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
-from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
+from typing_extensions import override
+
+from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
-from kvfsm.errors import ConfigError, InvalidTransition, UnknownJobError
+from kvfsm.errors import ConfigError, UnknownJobError
+from kvfsm.tiers.slotio import SlotIO
 
-__all__ = ["InMemoryTier", "SlotIO"]
-
-
-class SlotIO(Protocol):
-    """Access to the CPU primary's slot bytes (the data plane's shared region)."""
-
-    def read_slot(self, slot_id: int) -> bytes: ...
-
-    def write_slot(self, slot_id: int, data: bytes) -> None: ...
+__all__ = ["InMemoryTier"]
 
 
 class InMemoryTier(SecondaryTier):
@@ -95,6 +89,7 @@ class InMemoryTier(SecondaryTier):
         """Hold ``key`` (as most recent) without a job, e.g. data left by an earlier process."""
         self._insert([(key, data)])
 
+    @override
     def invalidate(self, key: OffloadKey) -> None:
         """Forget ``key`` (a failed promotion showed its copy is bad); a key not held is ignored."""
         if key in self._keys:
@@ -116,29 +111,36 @@ class InMemoryTier(SecondaryTier):
 
     # -- SecondaryTier --
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.HIT if key in self._keys else LookupResult.MISS
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self._submit(job, promotion=False)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self._submit(job, promotion=True)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self._autocomplete:
             self.complete_all()
         finished, self._finished = self._finished, []
         return finished
 
+    @override
     def drain_jobs(self) -> None:
         self.complete_all()
 
+    @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         for key in reversed(keys):
             if key in self._keys:
                 self._keys.move_to_end(key)
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events
@@ -146,24 +148,7 @@ class InMemoryTier(SecondaryTier):
     # -- internals --
 
     def _submit(self, job: TierJob, *, promotion: bool) -> None:
-        what = "submit_load" if promotion else "submit_store"
-        if job.is_promotion is not promotion:
-            raise ConfigError(
-                f"tier {self.name!r}: {what} got job {job.job_id} with is_promotion={job.is_promotion}; "
-                f"expected is_promotion={promotion}"
-            )
-        if len(job.keys) != len(job.slot_ids):
-            raise ConfigError(
-                f"tier {self.name!r}: job {job.job_id} has {len(job.keys)} keys but {len(job.slot_ids)} "
-                "slots; expected one slot per key"
-            )
-        if job.job_id in self._pending:
-            raise InvalidTransition(
-                "job",
-                "in_flight",
-                what,
-                f"tier {self.name!r} already runs job {job.job_id}; expected a new id",
-            )
+        validate_tier_job(self.name, job, promotion=promotion, running=self._pending)
         self._pending[job.job_id] = job
 
     def _finish(self, job: TierJob, success: bool) -> None:
