@@ -5,6 +5,7 @@ flight. Needs matplotlib (the ``plot`` extra: ``pip install 'kvfsm[plot]'``); im
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from kvfsm.states import EngineState
 if TYPE_CHECKING:  # the engine needs torch; drawing a timeline does not
     from kvfsm.engine.core import StepRecord
 
-__all__ = ["STATE_COLOURS", "PlotUnavailable", "plot_timeline", "state_runs"]
+__all__ = ["STATE_COLOURS", "PlotUnavailable", "legend_entries", "plot_timeline", "require_matplotlib", "state_runs"]
 
 STATE_COLOURS: dict[EngineState, str] = {
     EngineState.RUNNING: "#2e7d32",
@@ -27,8 +28,34 @@ STATE_COLOURS: dict[EngineState, str] = {
 }
 
 
+#: The states of the engine's normal cycle: always in the legend, so a picture says when one never occurred.
+CYCLE_STATES: tuple[EngineState, ...] = (
+    EngineState.RUNNING,
+    EngineState.FINISHING,
+    EngineState.DRAINING,
+    EngineState.IDLE,
+)
+_INSTALL_HINT = "matplotlib is not installed; install the extra with: pip install 'kvfsm[plot]'"
+
+
 class PlotUnavailable(KvfsmError, RuntimeError):
     """matplotlib is not installed; the message says how to install the extra."""
+
+
+def require_matplotlib() -> None:
+    """PlotUnavailable now, before any work, if a picture could not be drawn later."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotUnavailable(_INSTALL_HINT)
+
+
+def legend_entries(records: Sequence[StepRecord]) -> list[tuple[EngineState, str]]:
+    """``(state, label)`` for the legend: the cycle states (running, finishing, draining, idle) and every
+    other state the records pass through, in the engine's order, each with its number of steps."""
+    counts = {state: 0 for state in EngineState}
+    for rec in records:
+        counts[rec.state] += 1
+    shown = [s for s in EngineState if s in CYCLE_STATES or counts[s]]
+    return [(s, f"{s.value} ({counts[s]} step{'' if counts[s] == 1 else 's'})") for s in shown]
 
 
 def state_runs(records: Sequence[StepRecord]) -> list[tuple[EngineState, int, int]]:
@@ -47,7 +74,7 @@ def _pyplot() -> Any:
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError as exc:
-        raise PlotUnavailable("matplotlib is not installed; install the extra with: pip install 'kvfsm[plot]'") from exc
+        raise PlotUnavailable(_INSTALL_HINT) from exc
     matplotlib.use("Agg")  # files only, never a window
     return importlib.import_module("matplotlib.pyplot")
 
@@ -72,17 +99,16 @@ def plot_timeline(
     fig, (band, jobs) = plt.subplots(
         2, 1, figsize=(10, 3.8), sharex=True, gridspec_kw={"height_ratios": [1, 3]}, constrained_layout=True
     )
-    seen: dict[EngineState, None] = {}
     for state, first, last in state_runs(records):
         band.axvspan(first - 0.5, last + 0.5, color=STATE_COLOURS[state], linewidth=0)
-        seen[state] = None
+    entries = legend_entries(records)
     band.set_yticks([])
     band.set_ylabel("state", rotation=0, ha="right", va="center")
     band.legend(
-        handles=[patches.Patch(color=STATE_COLOURS[s], label=s.value) for s in seen],
+        handles=[patches.Patch(color=STATE_COLOURS[s], label=label) for s, label in entries],
         loc="upper center",
         bbox_to_anchor=(0.5, 1.55),
-        ncol=len(seen),
+        ncol=len(entries),
         frameon=False,
     )
     band.set_title(title, pad=28)
