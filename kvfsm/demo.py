@@ -161,14 +161,12 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
         if recorder is not None:
             recorder.scope(f"drain-{mode.value}")
         rounds.append(_drain_round(mode, mib))
-    print(
-        f"  {'mode':<12} {'stores':>7} {'B waited':>10} {'blocking waits':>15} "
-        f"{'A stores still copying when B ran':>34}"
-    )
+    head = "A's stores in flight when B was scheduled"
+    print(f"  {'mode':<12} {'stores':>7} {'B waited':>10} {'blocking waits':>15}  {head}")
     for r, _ in rounds:
         print(
-            f"  {r.mode.value:<12} {r.store_bytes / 2**20:>4.0f}MiB {r.ms_waited:>7.2f} ms {r.blocking_waits:>15} "
-            f"{r.a_jobs_in_flight_when_scheduled:>34}"
+            f"  {r.mode.value:<12} {r.store_bytes / 2**20:>4.0f}MiB {r.ms_waited:>7.2f} ms {r.blocking_waits:>15}  "
+            f"{r.a_jobs_in_flight_when_scheduled:>{len(head)}}"
         )
     print("  per step (state after the step; what happened in it):")
     for r, records in rounds:
@@ -193,6 +191,8 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
             plot,
             title="kvfsm demo: engine state over steps (multi-turn prefix reuse, then the non-blocking drain; W=2)",
             markers=markers,
+            zoom=(offset + 1, records[-1].step),
+            zoom_title="zoom: the non-blocking drain",
         )
         print(f"\nengine timeline picture: {path}")
     return integ.mismatches == 0 and integ.blocks_verified > 0

@@ -50,11 +50,11 @@ def require_matplotlib() -> None:
 
 def legend_entries(records: Sequence[StepRecord]) -> list[tuple[EngineState, str]]:
     """``(state, label)`` for the legend: the cycle states (running, finishing, draining, idle) and every
-    other state the records pass through, in the engine's order, each with its number of steps."""
+    other state the records pass through (after those, in enum order), each with its number of steps."""
     counts = {state: 0 for state in EngineState}
     for rec in records:
         counts[rec.state] += 1
-    shown = [s for s in EngineState if s in CYCLE_STATES or counts[s]]
+    shown = [*CYCLE_STATES, *(s for s in EngineState if s not in CYCLE_STATES and counts[s])]
     return [(s, f"{s.value} ({counts[s]} step{'' if counts[s] == 1 else 's'})") for s in shown]
 
 
@@ -85,24 +85,43 @@ def plot_timeline(
     *,
     title: str = "engine state over steps",
     markers: Sequence[tuple[int, str]] = (),
+    zoom: tuple[int, int] | None = None,
+    zoom_title: str = "",
 ) -> Path:
     """Draw the states (a coloured band per step) above the jobs in flight and requests scheduled.
 
     ``markers`` are ``(step, label)`` pairs drawn as vertical lines (e.g. the start of each turn).
-    Writes a PNG (or any format matplotlib knows from the suffix) and returns its path.
+    ``zoom`` = ``(first step, last step)`` adds a panel on the right with those steps at a readable width
+    (a few steps in a long run, such as a drain). The legend lists the cycle states (running, finishing,
+    draining, idle) and every other state drawn, with their step counts. Writes a PNG (or any format
+    matplotlib knows from the suffix) and returns its path.
     """
     if not records:
         raise ConfigError("no step records to draw; expected the engine's timeline after at least one step")
+    zoomed = [r for r in records if zoom is not None and zoom[0] <= r.step <= zoom[1]]
+    if zoom is not None and not zoomed:
+        raise ConfigError(f"zoom {zoom} holds no step of the timeline; expected a range within its steps")
     plt = _pyplot()
     patches = importlib.import_module("matplotlib.patches")
-    steps = [r.step for r in records]
-    fig, (band, jobs) = plt.subplots(
-        2, 1, figsize=(10, 3.8), sharex=True, gridspec_kw={"height_ratios": [1, 3]}, constrained_layout=True
-    )
-    for state, first, last in state_runs(records):
-        band.axvspan(first - 0.5, last + 0.5, color=STATE_COLOURS[state], linewidth=0)
+    if zoomed:
+        fig, axes = plt.subplots(
+            2,
+            2,
+            figsize=(12, 3.8),
+            sharex="col",
+            sharey="row",
+            gridspec_kw={"height_ratios": [1, 3], "width_ratios": [4, 1]},
+            constrained_layout=True,
+        )
+        band, jobs = axes[0][0], axes[1][0]
+        _draw(axes[0][1], axes[1][1], zoomed, [m for m in markers if zoomed[0].step <= m[0] <= zoomed[-1].step])
+        axes[0][1].set_title(zoom_title or f"steps {zoomed[0].step} to {zoomed[-1].step}", fontsize=9)
+    else:
+        fig, (band, jobs) = plt.subplots(
+            2, 1, figsize=(10, 3.8), sharex=True, gridspec_kw={"height_ratios": [1, 3]}, constrained_layout=True
+        )
+    _draw(band, jobs, records, markers)
     entries = legend_entries(records)
-    band.set_yticks([])
     band.set_ylabel("state", rotation=0, ha="right", va="center")
     band.legend(
         handles=[patches.Patch(color=STATE_COLOURS[s], label=label) for s, label in entries],
@@ -112,6 +131,20 @@ def plot_timeline(
         frameon=False,
     )
     band.set_title(title, pad=28)
+    jobs.set_ylabel("count")
+    jobs.legend(loc="upper right", frameon=False, fontsize=8, ncol=3)
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _draw(band: Any, jobs: Any, records: Sequence[StepRecord], markers: Sequence[tuple[int, str]]) -> None:
+    """The state bands and the counts of ``records`` on one pair of axes."""
+    steps = [r.step for r in records]
+    for state, first, last in state_runs(records):
+        band.axvspan(first - 0.5, last + 0.5, color=STATE_COLOURS[state], linewidth=0)
+    band.set_yticks([])
     jobs.step(steps, [r.jobs_in_flight for r in records], where="mid", label="jobs in flight", color="#1565c0")
     jobs.step(
         steps, [len(r.scheduled) for r in records], where="mid", label="requests scheduled", color="#2e7d32", alpha=0.7
@@ -126,13 +159,7 @@ def plot_timeline(
             ax.axvline(step - 0.5, color="black", linewidth=0.8, linestyle=":")
         jobs.annotate(label, (step - 0.4, 1.0), xycoords=("data", "axes fraction"), va="top", fontsize=8)
     jobs.set_xlabel("engine step")
-    jobs.set_ylabel("count")
     jobs.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
     top = max(max(r.jobs_in_flight for r in records), max(len(r.scheduled) for r in records), 1)
-    jobs.set_ylim(0, top * 1.35 + 0.5)  # room for the legend and the turn labels
-    jobs.legend(loc="upper right", frameon=False, fontsize=8, ncol=3)
+    jobs.set_ylim(0, max(top * 1.35 + 0.5, jobs.get_ylim()[1]))  # room for the legend and the turn labels
     jobs.grid(axis="y", alpha=0.3)
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
