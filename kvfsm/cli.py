@@ -23,6 +23,14 @@ MAX_BENCH_JOBS = 1_000_000
 MAX_BENCH_REPEATS = 1_000
 
 
+#: Optional dependencies a command may need -> how to install them.
+_EXTRAS = {
+    "torch": "pip install 'kvfsm[torch]'",
+    "numpy": "pip install 'kvfsm[torch]'",
+    "matplotlib": "pip install 'kvfsm[plot]'",
+}
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line on stderr (and exit status 2)."""
 
@@ -245,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.func(args)
     except KvfsmError as exc:
         return _fail(str(exc))
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        return _fail(f"kvfsm {args.command} needs {exc.name}, which is not installed; install it with: {extra}")
     except BrokenPipeError:  # the reader went away (kvfsm spec | head): nothing left to say
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

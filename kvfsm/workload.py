@@ -214,13 +214,25 @@ def read_jsonl(path: str | Path) -> list[list[int]]:
     return trace
 
 
+_JSON_TYPES: dict[type, str] = {
+    dict: "object",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
 def _parse_line(line: str, where: str) -> list[int]:
     try:
         value = json.loads(line)
     except json.JSONDecodeError as exc:
         raise WorkloadError(f"{where}: not valid JSON ({exc.msg}); expected a list of block ids") from exc
     if not isinstance(value, list):
-        raise WorkloadError(f"{where}: got a {type(value).__name__}; expected a JSON list of block ids")
+        raise WorkloadError(
+            f"{where}: got a JSON {_JSON_TYPES.get(type(value), 'value')}; expected a JSON list of block ids"
+        )
     if not value:
         raise WorkloadError(f"{where}: an empty list; expected a request with at least one block id")
     for block in value:

@@ -37,6 +37,7 @@ FILES: dict[str, bytes] = {
     "badjson.jsonl": b"[1, 2]\n[1, 2\n",
     "object.jsonl": b'{"a": 1}\n',
     "number.jsonl": b"7\n",
+    "null.jsonl": b"null\n",
     "negative.jsonl": b"[1, -2]\n",
     "strings.jsonl": b'["a", "b"]\n',
     "latin1.jsonl": b"[1, 2]\n[\xff\xfe]\n",
@@ -84,8 +85,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("workload-missing", [*_W, "{d}/nope.jsonl"], "cannot read"),
     ("workload-directory", [*_W, "{d}"], "is a directory"),
     ("workload-bad-json", [*_W, "{d}/badjson.jsonl"], ":2: not valid"),
-    ("workload-object", [*_W, "{d}/object.jsonl"], "got a dict"),
-    ("workload-number", [*_W, "{d}/number.jsonl"], "got a int"),
+    ("workload-object", [*_W, "{d}/object.jsonl"], "got a JSON object"),
+    ("workload-number", [*_W, "{d}/number.jsonl"], "got a JSON number"),
+    ("workload-null", [*_W, "{d}/null.jsonl"], "got a JSON null"),
     ("workload-negative-id", [*_W, "{d}/negative.jsonl"], "range"),
     ("workload-not-utf8", [*_W, "{d}/latin1.jsonl"], "not UTF-8"),
     ("workload-empty", [*_W, "{d}/empty.jsonl"], "no requests"),
@@ -166,3 +168,18 @@ def test_python_m_kvfsm_check_cli_uses_the_same_checks(capsys: pytest.CaptureFix
         check_main(["--requests", "0"])
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_missing_extra_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pip install kvfsm`` without the torch extra, then ``kvfsm demo``."""
+    for name in [m for m in sys.modules if m == "kvfsm.demo" or m.startswith(("kvfsm.engine", "kvfsm.bench_drain"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert main(["demo", "--quick"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "kvfsm: error: kvfsm demo needs torch, which is not installed; install it with: pip install 'kvfsm[torch]'"
+    ]
