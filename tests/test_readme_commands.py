@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import kvfsm.bench_progress
 import kvfsm.diagrams
 from kvfsm.cli import build_parser, main
 from kvfsm.workload import WorkloadConfig, generate_trace, write_jsonl
@@ -64,6 +65,8 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert stale != real
     (tmp_path / "spec-README.md").write_text(stale, encoding="utf-8")
     monkeypatch.setattr(kvfsm.diagrams, "readme_path", lambda: tmp_path / "spec-README.md")
+    # Progress on plain lines: importing rich here would change which display later tests get.
+    monkeypatch.setattr(kvfsm.bench_progress, "progress_backend", lambda: "plain")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
