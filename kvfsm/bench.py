@@ -562,7 +562,9 @@ def run_bench(
 ) -> int:
     """Run the benchmark sections; print tables (or JSON with ``as_json``); write JSON to ``out``.
 
-    Returns 0 when every section ran (goals missed are reported, not an error).
+    Returns 0 when every section ran (goals missed are reported, not an error). Every input (sections,
+    jobs, repeats, the workload file, the ``out`` path) is checked before the first section runs:
+    ConfigError or WorkloadError, and no work done.
     """
     chosen = list(sections) if sections else list(SECTIONS)
     unknown = [s for s in chosen if s not in SECTIONS]

@@ -209,12 +209,14 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--jobs",
         type=int_in(1, MAX_BENCH_JOBS),
+        metavar="N",
         default=None,
         help=f"jobs per lifecycle run (default 2000, quick 500; 1 to {MAX_BENCH_JOBS:,})",
     )
     p.add_argument(
         "--repeats",
         type=int_in(1, MAX_BENCH_REPEATS),
+        metavar="N",
         default=None,
         help=f"lifecycle repeats (default 5, quick 3; 1 to {MAX_BENCH_REPEATS:,})",
     )

@@ -6,8 +6,10 @@ checked byte for byte against the value the stand-in forward pass wrote, and eve
 checked after every step.
 
 Part 2 shows the drain: a request finishes with its stores in flight and a new request arrives during
-the next step. Non-blocking, it is scheduled at once while the stores continue; under the blocking
-baseline (vLLM #42611) it waits behind a flush of every transfer.
+the next step. In both modes it is scheduled in the step after it arrives; non-blocking, that step
+runs at once while the stores continue (the engine is draining), under the blocking baseline (vLLM
+#42611) it first waits for a flush of every transfer. The table shows the wait in ms and the blocking
+waits, then each step of both rounds.
 """
 
 from __future__ import annotations

@@ -79,7 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def bound(flag: str, lo: int, text: str, **kw: Any) -> None:
         name = flag[2:].replace("-", "_")
         hi = MAX_BOUNDS.get(name, 1)
-        b.add_argument(flag, type=int_in(lo, hi), default=None, help=f"{text} ({getattr(d, name)}; {lo} to {hi})", **kw)
+        b.add_argument(
+            flag,
+            type=int_in(lo, hi),
+            default=None,
+            metavar="N",
+            help=f"{text} ({getattr(d, name)}; {lo} to {hi})",
+            **kw,
+        )
 
     b = p.add_argument_group("bounds")
     bound("--requests", 1, "requests that arrive, in all")
@@ -100,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-states",
         type=int_in(0, MAX_STATES),
         default=None,
+        metavar="N",
         help=f"stop after this many states (0: no limit, the default; at most {MAX_STATES:,})",
     )
     o.add_argument("--replay", action="store_true", help="also replay every edge on the implementation and probe it")
