@@ -43,6 +43,7 @@ from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.errors import ConfigError
 from kvfsm.machines import job_machine
 from kvfsm.states import JobKind
+from kvfsm.validation import is_int, require_output_file
 
 __all__ = [
     "SECTIONS",
@@ -222,6 +223,8 @@ class _Options:
     repeats: int
     workload: Path | None
     show_progress: bool
+    #: the ``workload`` file's requests, read (and validated) before any section runs
+    trace: list[list[int]] | None = None
 
 
 def _in_flight(results: Sequence[Any]) -> str:
@@ -309,7 +312,10 @@ def _section_control(opts: _Options, report: BenchReport) -> str:
     from kvfsm.workload import WorkloadConfig, generate_trace, read_jsonl, to_keys, trace_stats
 
     source = str(opts.workload) if opts.workload else "generated (seed 0)"
-    trace = read_jsonl(opts.workload) if opts.workload else generate_trace(WorkloadConfig())
+    if opts.trace is not None:
+        trace = opts.trace
+    else:
+        trace = read_jsonl(opts.workload) if opts.workload else generate_trace(WorkloadConfig())
     stats = trace_stats(trace)
     requests = to_keys(trace)
     capacities = (0.25, 1.0)
@@ -556,7 +562,9 @@ def run_bench(
 ) -> int:
     """Run the benchmark sections; print tables (or JSON with ``as_json``); write JSON to ``out``.
 
-    Returns 0 when every section ran (goals missed are reported, not an error).
+    Returns 0 when every section ran (goals missed are reported, not an error). Every input (sections,
+    jobs, repeats, the workload file, the ``out`` path) is checked before the first section runs:
+    ConfigError or WorkloadError, and no work done.
     """
     chosen = list(sections) if sections else list(SECTIONS)
     unknown = [s for s in chosen if s not in SECTIONS]
@@ -570,8 +578,19 @@ def run_bench(
         workload=Path(workload) if workload is not None else None,
         show_progress=not (quiet or as_json),
     )
-    if opts.jobs < 1 or opts.repeats < 1:
+    # Every input is checked before the first section runs: a bad one must not cost a whole run.
+    if not is_int(opts.jobs) or not is_int(opts.repeats) or opts.jobs < 1 or opts.repeats < 1:
         raise ConfigError(f"jobs and repeats must be >= 1, got jobs={opts.jobs}, repeats={opts.repeats}")
+    if opts.workload is not None:
+        if "control" not in chosen:
+            raise ConfigError(
+                f"--workload applies only to the control section, which this run skips (sections {chosen}); "
+                "expected --only control or no --only"
+            )
+        from kvfsm.workload import read_jsonl
+
+        opts.trace = read_jsonl(opts.workload)
+    out_path = require_output_file("output file", out) if out is not None else None
     report = BenchReport(meta=_meta(opts, chosen))
     t0 = time.perf_counter()
     if not as_json:
@@ -595,6 +614,9 @@ def run_bench(
     payload = json.dumps(report.as_dict(), indent=2, default=str)
     if as_json:
         print(payload, file=stream)
-    if out is not None:
-        Path(out).write_text(payload + "\n", encoding="utf-8")
+    if out_path is not None:
+        try:
+            out_path.write_text(payload + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write the results to {out_path}: {exc.strerror or exc}") from exc
     return 0

@@ -6,29 +6,42 @@ checked byte for byte against the value the stand-in forward pass wrote, and eve
 checked after every step.
 
 Part 2 shows the drain: a request finishes with its stores in flight and a new request arrives during
-the next step. Non-blocking, it is scheduled at once while the stores continue; under the blocking
-baseline (vLLM #42611) it waits behind a flush of every transfer.
+the next step. In both modes it is scheduled in the step after it arrives; non-blocking, that step
+runs at once while the stores continue (the engine is draining), under the blocking baseline (vLLM
+#42611) it first waits for a flush of every transfer. The table shows the wait in ms and the blocking
+waits, then each step of both rounds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfsm.bench_drain import DrainResult, compress_timeline, measure_drain
+from kvfsm.bench_drain import (
+    DrainResult,
+    _BenchEngine,
+    _blocks_for,
+    _config,
+    _round,
+    compress_timeline,
+    measure_drain,
+)
 from kvfsm.control.config import DrainMode
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.engine.core import EngineConfig, ReferenceEngine, StepRecord
 from kvfsm.invariants import SystemView, check_all
 from kvfsm.states import EngineState
+from kvfsm.validation import require_output_file
 
 if TYPE_CHECKING:
     from kvfsm.trace import TraceRecorder
 
-__all__ = ["DrainResult", "compress_timeline", "measure_drain", "run_demo", "run_workload"]
+__all__ = ["DrainResult", "compress_timeline", "describe_drain_steps", "measure_drain", "run_demo", "run_workload"]
 
 
 def _check(engine: ReferenceEngine) -> None:
@@ -66,7 +79,18 @@ def run_workload(
 
 def run_demo(quick: bool = False, trace: str | Path | None = None, plot: str | Path | None = None) -> int:
     """The demo; ``trace`` records every transition as NDJSON (then verifies it), ``plot`` draws the
-    workload's engine-state timeline (needs matplotlib)."""
+    workload's engine-state timeline (needs matplotlib).
+
+    Both paths, and matplotlib for ``plot``, are checked before anything runs: ConfigError (or
+    PlotUnavailable) instead of a failure after the demo.
+    """
+    if trace is not None:
+        require_output_file("trace file", trace)
+    if plot is not None:
+        require_output_file("plot file", plot)
+        from kvfsm.timeline import require_matplotlib
+
+        require_matplotlib()
     with ExitStack() as stack:
         recorder = None
         if trace is not None:
@@ -132,33 +156,73 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
         f"{integ.mismatches} mismatches, {integ.loads_completed} loads"
     )
     print(f"  all spec invariants held after every step; {elapsed:.2f} s\n")
+    print("drain: request A finishes with its stores in flight; request B arrives during the next step")
+    mib = 32 if quick else 128
+    rounds: list[tuple[DrainResult, list[StepRecord]]] = []
+    for mode in (DrainMode.NONBLOCKING, DrainMode.BLOCKING):
+        if recorder is not None:
+            recorder.scope(f"drain-{mode.value}")
+        rounds.append(_drain_round(mode, mib))
+    head = "A's stores in flight when B was scheduled"
+    print(f"  {'mode':<12} {'stores':>7} {'B waited':>10} {'blocking waits':>15}  {head}")
+    for r, _ in rounds:
+        print(
+            f"  {r.mode.value:<12} {r.store_bytes / 2**20:>4.0f}MiB {r.ms_waited:>7.2f} ms {r.blocking_waits:>15}  "
+            f"{r.a_jobs_in_flight_when_scheduled:>{len(head)}}"
+        )
+    print("  per step (state after the step; what happened in it):")
+    for r, records in rounds:
+        print(f"  {r.mode.value}: {describe_drain_steps(records)}")
+    (nb, _), (bl, _) = rounds
+    ratio = bl.ms_waited / nb.ms_waited if nb.ms_waited > 0 else float("inf")
+    print(
+        f"  B is scheduled in the step after it arrives in both modes; the blocking step first waits for every copy: "
+        f"B waited {ratio:.1f}x longer"
+    )
     if plot is not None:
         from kvfsm.timeline import plot_timeline
 
         records = list(engine.timeline)
+        markers = _turn_markers(records)
+        # The non-blocking drain round, appended after the workload: where the picture shows draining.
+        offset = records[-1].step if records else 0
+        markers.append((offset + 1, "drain"))
+        records += [dataclasses.replace(rec, step=rec.step + offset) for rec in rounds[0][1]]
         path = plot_timeline(
             records,
             plot,
-            title="kvfsm demo: engine state over steps (multi-turn prefix reuse, W=2)",
-            markers=_turn_markers(records),
+            title="kvfsm demo: engine state over steps (multi-turn prefix reuse, then the non-blocking drain; W=2)",
+            markers=markers,
+            zoom=(offset + 1, records[-1].step),
+            zoom_title="zoom: the non-blocking drain",
         )
-        print(f"engine timeline picture: {path}\n")
-    print("drain: request A finishes with its stores in flight; request B arrives during the next step")
-    mib = 32 if quick else 128
-    results: list[DrainResult] = []
-    for mode in (DrainMode.NONBLOCKING, DrainMode.BLOCKING):
-        if recorder is not None:
-            recorder.scope(f"drain-{mode.value}")
-        results.append(measure_drain(mode, mib))
-    print(f"  {'mode':<12} {'stores':>8} {'B waited':>10} {'ms':>9} {'A jobs left':>15} {'blocking waits':>15}")
-    for r in results:
-        print(
-            f"  {r.mode.value:<12} {r.store_bytes / 2**20:>6.0f}MiB {r.steps_waited:>7} step "
-            f"{r.ms_waited:>9.2f} {r.a_jobs_in_flight_when_scheduled:>15} {r.blocking_waits:>15}"
-        )
-    for r in results:
-        print(f"  {r.mode.value} timeline: {r.timeline}")
-    nb, bl = results
-    ratio = bl.ms_waited / nb.ms_waited if nb.ms_waited > 0 else float("inf")
-    print(f"  blocking / non-blocking wait: {ratio:.1f}x")
+        print(f"\nengine timeline picture: {path}")
     return integ.mismatches == 0 and integ.blocks_verified > 0
+
+
+def _drain_round(mode: DrainMode, mib: float) -> tuple[DrainResult, list[StepRecord]]:
+    """:func:`measure_drain`, keeping the engine's step records for the per-step timeline."""
+    blocks = _blocks_for(mib)
+    engine = _BenchEngine(_config(mode, blocks))
+    try:
+        result = _round(engine, blocks, random.Random(0), "0")
+        return result, list(engine.timeline)
+    finally:
+        engine.shutdown()
+
+
+def describe_drain_steps(records: Sequence[StepRecord]) -> str:
+    """``1 finishing (A ran; 1 job in flight) -> 2 draining (B arrived; 1 job in flight) -> ...``: one drain
+    round read step by step. B arrives during the step after A's finishing step."""
+    finishing = next((r.step for r in records if r.state is EngineState.FINISHING), None)
+    parts = []
+    for rec in records:
+        what = []
+        if finishing is not None and rec.step == finishing + 1:
+            what.append("B arrived")
+        if rec.flushed:
+            what.append(f"blocked until {rec.flushed} job{'s' * (rec.flushed != 1)} finished")
+        what.extend(f"{req_id[0]} ran" for req_id in rec.scheduled)
+        what.append(f"{rec.jobs_in_flight} job{'s' * (rec.jobs_in_flight != 1)} in flight")
+        parts.append(f"{rec.step} {rec.state.value} ({', '.join(what)})")
+    return " -> ".join(parts)

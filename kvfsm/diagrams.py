@@ -5,9 +5,9 @@ The diagrams in spec/README.md are not drawn by hand: each lies between a pair o
     <!-- diagram:job:start -->
     <!-- diagram:job:end -->
 
-and ``python -m kvfsm.diagrams --write`` regenerates the fenced block between them. ``--check`` exits 1
-if the README is stale (CI and tests/test_spec_conformance.py run it); with no option every diagram is
-printed.
+and ``kvfsm diagram --write`` (or ``python -m kvfsm.diagrams --write``) regenerates the fenced block
+between them. ``--check`` exits 1 if the README is stale (CI and tests/test_spec_conformance.py run
+it); with no option every diagram is printed.
 
 The edges are read from ``compile_table(build_transitions_machine(spec))``, that is from the very
 transitions Machine object the runtime table is compiled from, so a diagram cannot show an edge the
@@ -25,11 +25,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvfsm.errors import SpecError
+from kvfsm.errors import ConfigError, KvfsmError, SpecError
 from kvfsm.fsm import build_transitions_machine, compile_table
 from kvfsm.spec_loader import MACHINE_NAMES, MachineSpec, load_machine, spec_dir
 
-__all__ = ["all_diagrams", "main", "mermaid", "mermaid_for", "readme_path", "render_readme"]
+__all__ = [
+    "add_arguments",
+    "all_diagrams",
+    "main",
+    "mermaid",
+    "mermaid_for",
+    "readme_path",
+    "render_readme",
+    "run",
+]
 
 _MARKER = re.compile(
     r"(?P<start><!-- diagram:(?P<name>[A-Za-z0-9_]+):start -->)"
@@ -102,16 +111,16 @@ def readme_path() -> Path:
     return spec_dir() / "README.md"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvfsm.diagrams", description="Mermaid diagrams of the kvfsm spec machines."
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``kvfsm diagram`` and ``python -m kvfsm.diagrams``."""
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="regenerate the diagrams in spec/README.md")
     mode.add_argument("--check", action="store_true", help="exit 1 if spec/README.md is out of date")
     parser.add_argument("--readme", type=Path, default=None, help="file to update (default: spec/README.md)")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
+    """Print every diagram, or ``--write`` / ``--check`` the README; ConfigError if it cannot be read."""
     if not (args.write or args.check):
         for name, diagram in all_diagrams().items():
             sys.stdout.write(f"%% {name}\n{diagram}\n")
@@ -120,19 +129,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     path: Path = args.readme if args.readme is not None else readme_path()
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        sys.stderr.write(f"{path}: not found\n")
-        return 2
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot read {path}: {reason}; expected a UTF-8 Markdown file with diagram markers") from exc
     new = render_readme(text)
     if args.check:
         if new != text:
-            sys.stderr.write(f"{path}: diagrams are out of date; run python -m kvfsm.diagrams --write\n")
+            sys.stderr.write(f"{path}: diagrams are out of date; run kvfsm diagram --write\n")
             return 1
         return 0
     if new != text:
-        path.write_text(new, encoding="utf-8")
+        try:
+            path.write_text(new, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; expected a writable file") from exc
         sys.stdout.write(f"{path}: diagrams updated\n")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvfsm.diagrams", description="Mermaid diagrams of the kvfsm spec machines."
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KvfsmError as exc:
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

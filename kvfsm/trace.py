@@ -568,12 +568,19 @@ def verify_trace(lines: Iterable[str]) -> TraceReport:
 
 
 def verify_trace_file(path: str | Path) -> TraceReport:
-    """:func:`verify_trace` over a file; TraceError if it cannot be read."""
+    """:func:`verify_trace` over a file; TraceError if it cannot be read or holds no transition at all
+    (an empty or header-only file proves nothing, so it is not reported valid)."""
     p = Path(path)
     try:
         with p.open(encoding="utf-8") as fh:
-            return verify_trace(fh)
+            report = verify_trace(fh)
     except OSError as exc:
         raise TraceError(f"cannot read trace {p}: {exc.strerror or exc}; expected an NDJSON file") from exc
     except UnicodeDecodeError as exc:
         raise TraceError(f"trace {p} is not UTF-8 text ({exc.reason}); expected an NDJSON file") from exc
+    if report.records == 0 and report.num_violations == 0:
+        raise TraceError(
+            f"trace {p} holds no transition records; expected an NDJSON trace of at least one transition "
+            "(e.g. from kvfsm demo --trace)"
+        )
+    return report

@@ -187,21 +187,56 @@ def write_jsonl(trace: Iterable[Sequence[BlockId]], path: str | Path) -> int:
     return n
 
 
-def read_jsonl(path: str | Path) -> list[list[BlockId]]:
-    """Read a JSONL trace: one JSON list of block ids (ints >= 0 or strings) per non-blank line."""
-    trace: list[list[BlockId]] = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise WorkloadError(f"{where}: not valid JSON ({exc.msg}); expected a list of block ids") from exc
-            if not isinstance(value, list):
-                raise WorkloadError(f"{where}: got a {type(value).__name__}; expected a JSON list of block ids")
-            for block in value:
-                _block_bytes(block, where)  # validate every id now, with the line number
-            trace.append(value)
+def read_jsonl(path: str | Path) -> list[list[int]]:
+    """Read a JSONL trace: one non-empty JSON list of block ids (ints, 0 <= id < 2**128) per non-blank line.
+
+    WorkloadError (with the file and line) if the file cannot be read, is not UTF-8, holds no request, or
+    a line is not such a list. String ids are accepted by :func:`to_keys`, not in a trace file: a file
+    written by :func:`write_jsonl` from :func:`generate_trace` holds ints only.
+    """
+    p = Path(path)
+    expected = "expected a JSONL file with one JSON list of block ids (ints >= 0) per line"
+    if p.is_dir():
+        raise WorkloadError(f"workload {p} is a directory; {expected}")
+    trace: list[list[int]] = []
+    try:
+        with p.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                trace.append(_parse_line(line, f"{p}:{lineno}"))
+    except OSError as exc:
+        raise WorkloadError(f"cannot read workload {p}: {exc.strerror or exc}; {expected}") from exc
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"workload {p} is not UTF-8 text ({exc.reason}); {expected}") from exc
+    if not trace:
+        raise WorkloadError(f"workload {p} holds no requests; {expected}")
     return trace
+
+
+_JSON_TYPES: dict[type, str] = {
+    dict: "object",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
+def _parse_line(line: str, where: str) -> list[int]:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: not valid JSON ({exc.msg}); expected a list of block ids") from exc
+    if not isinstance(value, list):
+        raise WorkloadError(
+            f"{where}: got a JSON {_JSON_TYPES.get(type(value), 'value')}; expected a JSON list of block ids"
+        )
+    if not value:
+        raise WorkloadError(f"{where}: an empty list; expected a request with at least one block id")
+    for block in value:
+        if isinstance(block, str):
+            raise WorkloadError(f"{where}: block id {block!r} is a string; expected an int >= 0")
+        _block_bytes(block, where)  # validate every id now, with the line number
+    return value

@@ -17,50 +17,140 @@ from typing import Any, TextIO
 from kvfsm.bench_progress import Progress as ProgressDisplay
 from kvfsm.check.bfs import ExplorationResult, explore, format_trace
 from kvfsm.check.model import Bounds, Model
+from kvfsm.cli import int_in
+from kvfsm.errors import ConfigError
+from kvfsm.validation import is_int
 
-__all__ = ["add_arguments", "run"]
+__all__ = [
+    "EXPLORE_OPTIONS",
+    "MAX_BOUNDS",
+    "MAX_STATES",
+    "add_arguments",
+    "bounds_from",
+    "explore_options_given",
+    "run",
+]
 
 #: (states, edges, queued, seconds) -> None
 Progress = Callable[[int, int, int, float], None]
 
 
+#: The largest value ``kvfsm check`` accepts for each bound (the state space grows exponentially: the
+#: defaults, all 2 or 1, already give ~90k states). ``workers`` is the model's own limit.
+MAX_BOUNDS: dict[str, int] = {
+    "requests": 16,
+    "prompts": 16,
+    "chunks": 16,
+    "workers": 8,
+    "slots": 16,
+    "groups": 16,
+    "resets": 16,
+    "preemptions": 16,
+    "max_jobs": 10_000,
+}
+#: The largest ``--max-states`` (about what fits in memory).
+MAX_STATES = 10**9
+#: Options that only make sense when exploring (refused together with ``kvfsm check --trace``).
+EXPLORE_OPTIONS: tuple[str, ...] = (
+    "requests",
+    "prompts",
+    "chunks",
+    "workers",
+    "slots",
+    "groups",
+    "tiers",
+    "resets",
+    "preemptions",
+    "max_jobs",
+    "no_failures",
+    "keep_going",
+    "no_liveness",
+    "max_states",
+    "replay",
+    "brief",
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bounds and run options. Bounds left out are None here and take Bounds' defaults (bounds_from),
+    so a caller can tell which were given."""
     d = Bounds()
+
+    def bound(flag: str, lo: int, text: str, **kw: Any) -> None:
+        name = flag[2:].replace("-", "_")
+        hi = MAX_BOUNDS.get(name, 1)
+        b.add_argument(
+            flag,
+            type=int_in(lo, hi),
+            default=None,
+            metavar="N",
+            help=f"{text} ({getattr(d, name)}; {lo} to {hi})",
+            **kw,
+        )
+
     b = p.add_argument_group("bounds")
-    b.add_argument("--requests", type=int, default=d.requests, help="requests that arrive, in all (%(default)s)")
-    b.add_argument("--prompts", type=int, default=d.prompts, help="distinct prompts, sharing chunk 0 (%(default)s)")
-    b.add_argument("--chunks", type=int, default=d.chunks, help="chunks per prompt (%(default)s)")
-    b.add_argument("--workers", type=int, default=d.workers, help="W: workers copying each job (%(default)s)")
-    b.add_argument("--slots", type=int, default=d.slots, help="CPU primary slots (%(default)s)")
-    b.add_argument("--groups", type=int, default=d.groups, help="GPU block groups, one request each (%(default)s)")
-    b.add_argument("--tiers", type=int, default=d.tiers, choices=(0, 1), help="secondary tiers (%(default)s)")
-    b.add_argument("--resets", type=int, default=d.resets, help="reset_cache calls (%(default)s)")
-    b.add_argument("--preemptions", type=int, default=d.preemptions, help="preemptions (%(default)s)")
-    b.add_argument("--max-jobs", type=int, default=d.max_jobs, help="jobs created in all; 0: no bound (%(default)s)")
+    bound("--requests", 1, "requests that arrive, in all")
+    bound("--prompts", 1, "distinct prompts, sharing chunk 0")
+    bound("--chunks", 1, "chunks per prompt")
+    bound("--workers", 1, "W: workers copying each job")
+    bound("--slots", 1, "CPU primary slots")
+    bound("--groups", 1, "GPU block groups, one request each")
+    bound("--tiers", 0, "secondary tiers")
+    bound("--resets", 0, "reset_cache calls")
+    bound("--preemptions", 0, "preemptions")
+    bound("--max-jobs", 0, "jobs created in all; 0: no bound")
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
     o = p.add_argument_group("run")
     o.add_argument("--keep-going", action="store_true", help="report the first violation of every invariant")
     o.add_argument("--no-liveness", action="store_true", help="skip the liveness check (and keep no edges)")
-    o.add_argument("--max-states", type=int, default=0, help="stop after this many states (0: no limit)")
+    o.add_argument(
+        "--max-states",
+        type=int_in(0, MAX_STATES),
+        default=None,
+        metavar="N",
+        help=f"stop after this many states (0: no limit, the default; at most {MAX_STATES:,})",
+    )
     o.add_argument("--replay", action="store_true", help="also replay every edge on the implementation and probe it")
     o.add_argument("--quiet", action="store_true", help="no progress display")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--brief", action="store_true", help="counterexamples without the state after each event")
 
 
+def explore_options_given(args: argparse.Namespace) -> list[str]:
+    """The exploration options set on the command line (``--requests``, ``--replay``, ...)."""
+    given = []
+    for name in EXPLORE_OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None and value is not False:
+            given.append("--" + name.replace("_", "-"))
+    return given
+
+
 def bounds_from(args: argparse.Namespace) -> Bounds:
+    """Bounds from parsed options; ConfigError if one is out of range (also when not parsed by argparse)."""
+    d = Bounds()
+
+    def get(name: str) -> int:
+        value = getattr(args, name, None)
+        value = getattr(d, name) if value is None else value
+        hi = MAX_BOUNDS.get(name)
+        if hi is not None and is_int(value) and value > hi:
+            raise ConfigError(f"bound {name} = {value} is too large to explore; expected at most {hi}")
+        result: int = value
+        return result
+
     return Bounds(
-        requests=args.requests,
-        prompts=args.prompts,
-        chunks=args.chunks,
-        workers=args.workers,
-        slots=args.slots,
-        groups=args.groups,
-        tiers=args.tiers,
-        resets=args.resets,
-        preemptions=args.preemptions,
+        requests=get("requests"),
+        prompts=get("prompts"),
+        chunks=get("chunks"),
+        workers=get("workers"),
+        slots=get("slots"),
+        groups=get("groups"),
+        tiers=get("tiers"),
+        resets=get("resets"),
+        preemptions=get("preemptions"),
         failures=not args.no_failures,
-        max_jobs=args.max_jobs,
+        max_jobs=get("max_jobs"),
     )
 
 
@@ -84,6 +174,9 @@ def progress_display(enabled: bool, stream: TextIO = sys.stderr) -> Iterator[Pro
 
 def run(args: argparse.Namespace) -> int:
     bounds = bounds_from(args)
+    max_states = 0 if args.max_states is None else args.max_states
+    if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:
+        raise ConfigError(f"max_states must be an integer from 0 to {MAX_STATES}, got {max_states!r}")
     show = not args.quiet and not args.json
     model = Model(bounds)
     if show:
@@ -94,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             stop_at_first=not args.keep_going,
             keep_graph=not args.no_liveness or args.replay,
             check_liveness=not args.no_liveness,
-            max_states=args.max_states,
+            max_states=max_states,
             progress=progress,
             model=model,
         )
@@ -150,9 +243,10 @@ def _print_text(result: ExplorationResult, model: Model, replay: dict[str, Any] 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfsm check", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m kvfsm.check.cli``: the same as ``kvfsm check`` without ``--trace``."""
+    from kvfsm.cli import main as cli_main
+
+    return cli_main(["check", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
