@@ -59,6 +59,7 @@ from kvfsm.control.decisions import settle_event
 from kvfsm.control.job import Job
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
 from kvfsm.control.metadata import WorkerOutput
+from kvfsm.control.requests import TokenRequest, chain_block_hashes
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import (
@@ -68,7 +69,6 @@ from kvfsm.control.types import (
     make_offload_key,
 )
 from kvfsm.control.worker import HeldCopyBackend, OffloadingWorker
-from kvfsm.engine.requests import chain_block_hashes
 from kvfsm.errors import KvfsmError
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.states import (
@@ -97,20 +97,6 @@ _CTX = ReqContext("probe")
 
 
 # --------------------------------------------------------------------------------------------- the parts
-
-
-class ModelRequest:
-    """A request of one of the model's prompts (the OffloadRequest protocol)."""
-
-    __slots__ = ("block_hashes", "is_aborted", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "req_id")
-
-    def __init__(self, req_id: str, token_ids: list[int]) -> None:
-        self.req_id = req_id
-        self.block_hashes = chain_block_hashes(token_ids, TOKENS_PER_BLOCK)
-        self.num_tokens = len(token_ids)
-        self.num_prompt_tokens = len(token_ids)
-        self.num_computed_tokens = 0
-        self.is_aborted = False
 
 
 def shard_state(worker: OffloadingWorker, backend: HeldCopyBackend, job: Job) -> int:
@@ -181,7 +167,7 @@ class _Engine:
 
 @dataclass(slots=True)
 class _HReq:
-    request: ModelRequest
+    request: TokenRequest
     prompt: int
     eng: int = E_WAIT
     group: int = -1  #: group the engine holds (loading or running)
@@ -285,7 +271,7 @@ class Harness:
     def arrive(self, prompt: int) -> str:
         rid = f"r{self.arrivals}"
         self.arrivals += 1
-        req = ModelRequest(rid, self.tokens[prompt])
+        req = TokenRequest(rid, self.tokens[prompt], TOKENS_PER_BLOCK)
         self.requests[rid] = _HReq(req, prompt)
         self.sched.on_new_request(req)
         self._fire_engine(EngineEvent.ADMIT)
@@ -769,7 +755,7 @@ class _ReqProbe:
         return self._jobs
 
 
-def _req(x: Harness, rid: str) -> ModelRequest:
+def _req(x: Harness, rid: str) -> TokenRequest:
     return x.requests[rid].request
 
 

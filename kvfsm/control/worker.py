@@ -229,6 +229,11 @@ class HeldCopyBackend:
         #: Copies that ran (ok?) and that the next poll reports, in the order they ran.
         self.done: dict[int, bool] = {}
 
+    @property
+    def held_ids(self) -> tuple[int, ...]:
+        """Jobs submitted whose copy has not run yet, in submission order."""
+        return tuple(self.held)
+
     def in_flight_ids(self) -> set[int]:
         """Submitted jobs not reported by poll yet."""
         return set(self.held) | set(self.done)

@@ -374,8 +374,8 @@ class EngineLoop:
                     self.block_pool.cache(block_id, hashes[b])
             req.num_computed_tokens = end
             if end == req.num_tokens:
-                req.output_token_ids.append(req.sample_next())
-                if len(req.output_token_ids) >= req.max_tokens:
+                req.append_output(req.sample_next())
+                if req.num_output_tokens >= req.max_tokens:
                     self.running.remove(req)
                     self._finish(req)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.job import Job
@@ -32,7 +33,7 @@ from kvfsm.states import EngineState
 from kvfsm.testing.coverage import spec_covered
 from kvfsm.testing.system import SYSTEM_EXEMPT, SystemConfig, SystemHarness, SystemStateMachine, make_manager
 
-__all__ = ["ControlHarness", "ControlPlaneStateMachine", "TagEngine", "TagMemory"]
+__all__ = ["ControlHarness", "ControlPlaneStateMachine", "HeldCopies", "LoopHarness", "TagEngine", "TagMemory"]
 
 #: What a block or sub-slot holds: the hash of the content written there (None: never written).
 Tag = bytes | None
@@ -123,15 +124,37 @@ class TagEngine(EngineLoop):
         )
 
 
-class ControlHarness(SystemHarness):
-    """A :class:`TagEngine` as the state machine drives and inspects it."""
+class HeldCopies(Protocol):
+    """A copy backend whose submissions are held until the test completes them, as a harness sees it."""
 
-    def __init__(self, config: SystemConfig) -> None:
-        self.config = config
-        self.clock = ManualClock()
-        self.engine = TagEngine(config, self.clock)
-        self.tier = self.engine.tier
-        self.hook = self.engine.hook
+    @property
+    def held_ids(self) -> tuple[int, ...]: ...
+
+    def in_flight_ids(self) -> set[int]: ...
+
+    def complete(self, job_id: int, ok: bool = True) -> None: ...
+
+
+class LoopHarness(SystemHarness):
+    """What a harness over an :class:`~kvfsm.engine.loop.EngineLoop` whose ranks copy through held
+    backends (``backends[rank]``) does the same whatever its memory: inputs, steps, copies and the
+    engine's own answers (the data checks are the subclass's)."""
+
+    engine: EngineLoop
+    backends: Sequence[HeldCopies]
+
+    def held_copies(self) -> list[tuple[int, int]]:
+        return sorted((job_id, rank) for rank, b in enumerate(self.backends) for job_id in b.held_ids)
+
+    def complete_copy(self, job_id: int, rank: int, ok: bool) -> None:
+        self.backends[rank].complete(job_id, ok)
+
+    def copies_in_flight(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for rank, b in enumerate(self.backends):
+            for job_id in b.in_flight_ids():
+                out.setdefault(job_id, set()).add(rank)
+        return out
 
     @property
     def scheduler(self) -> OffloadingScheduler:
@@ -139,7 +162,7 @@ class ControlHarness(SystemHarness):
 
     @property
     def state(self) -> EngineState:
-        return self.engine.state
+        return self.engine.current_state()
 
     def make_request(self, req_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
         return self.engine.make_request(req_id, prompt, max_tokens)
@@ -172,24 +195,29 @@ class ControlHarness(SystemHarness):
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
-    def held_copies(self) -> list[tuple[int, int]]:
-        return sorted((job_id, rank) for rank, b in enumerate(self.engine.backends) for job_id in b.held)
-
-    def complete_copy(self, job_id: int, rank: int, ok: bool) -> None:
-        self.engine.backends[rank].complete(job_id, ok)
-
-    def copies_in_flight(self) -> dict[int, set[int]]:
-        out: dict[int, set[int]] = {}
-        for rank, b in enumerate(self.engine.backends):
-            for job_id in b.in_flight_ids():
-                out.setdefault(job_id, set()).add(rank)
-        return out
-
     def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]:
         return self.engine.workers[rank].unlaunched_store_ids
 
     def load_mismatches(self) -> int:
         return self.engine.integrity.mismatches
+
+    def shutdown(self, timeout: float | None) -> None:
+        if self.engine.state is not EngineState.STOPPED:
+            self.engine.shutdown(timeout)
+
+
+class ControlHarness(LoopHarness):
+    """A :class:`TagEngine` as the state machine drives and inspects it."""
+
+    engine: TagEngine
+
+    def __init__(self, config: SystemConfig) -> None:
+        self.config = config
+        self.clock = ManualClock()
+        self.engine = TagEngine(config, self.clock)
+        self.backends = self.engine.backends
+        self.tier = self.engine.tier
+        self.hook = self.engine.hook
 
     def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
@@ -212,10 +240,6 @@ class ControlHarness(SystemHarness):
                         f"GPU block {block} read by store job {job.job_id} was overwritten before rank {rank} copied it"
                     )
         return out
-
-    def shutdown(self, timeout: float | None) -> None:
-        if self.engine.state is not EngineState.STOPPED:
-            self.engine.shutdown(timeout)
 
     def close(self) -> None:
         pass
