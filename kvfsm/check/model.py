@@ -73,6 +73,7 @@ __all__ = [
     "Model",
     "ModelViolation",
     "Req",
+    "RequestScratch",
     "State",
     "TierRec",
 ]
@@ -235,7 +236,9 @@ class _SlotScratch:
         self.readers = readers
 
 
-class _ReqScratch:
+class RequestScratch:
+    """A request machine model of a given phase, with or without jobs (to ask the machine about it)."""
+
     __slots__ = ("_jobs", "state")
 
     def __init__(self, state: RequestState, has_jobs: bool) -> None:
@@ -440,7 +443,7 @@ class Model:
         key = (phase, event, has_jobs)
         r = self._memo_req.get(key)
         if r is None:
-            scratch = _ReqScratch(phase, has_jobs)
+            scratch = RequestScratch(phase, has_jobs)
             try:
                 effect = self._req.fire(scratch, event)
                 r = (scratch.state, effect)

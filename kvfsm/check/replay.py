@@ -50,6 +50,7 @@ from kvfsm.check.model import (
     Label,
     Model,
     Req,
+    RequestScratch,
     State,
     TierRec,
 )
@@ -744,17 +745,6 @@ def _pre_poll(h: Harness) -> None:
         h.manager.lookup(h.keys_by_id[0], _CTX)
 
 
-class _ReqProbe:
-    __slots__ = ("_jobs", "state")
-
-    def __init__(self, state: RequestState, has_jobs: bool) -> None:
-        self.state = state
-        self._jobs = has_jobs
-
-    def has_jobs(self) -> bool:
-        return self._jobs
-
-
 def _req(x: Harness, rid: str) -> TokenRequest:
     return x.requests[rid].request
 
@@ -840,7 +830,7 @@ def disabled_events(h: Harness, state: State, refs: Refs) -> list[Probe]:
         if not sched.is_tracked(rid):
             continue
         phase = state.reqs[i].phase
-        probe = _ReqProbe(phase, bool(sched.request_jobs(rid)))
+        probe = RequestScratch(phase, bool(sched.request_jobs(rid)))
         where = f"in {phase.value}"
         if not rm.can_fire(probe, RequestEvent.FINISH):
             out.append((f"request_finished({rid}) {where}", _p_finish(rid)))
