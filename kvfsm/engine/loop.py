@@ -62,6 +62,9 @@ def partial_block_key(hashes: Sequence[bytes], block: int, end: int) -> bytes:
 
 @dataclass(slots=True)
 class IntegrityStats:
+    """What the verification of finished loads found. ``blocks_verified`` and ``mismatches`` count the
+    parts the memory compares per block (:meth:`KVMemory.verify`: layers of tensors, ranks of tags)."""
+
     blocks_verified: int = 0
     mismatches: int = 0
     loads_completed: int = 0
@@ -70,6 +73,8 @@ class IntegrityStats:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
+    """One engine step as the timeline keeps it: the state it settled in and what it did."""
+
     step: int
     state: EngineState
     scheduled: tuple[str, ...]
