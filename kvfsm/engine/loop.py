@@ -94,8 +94,10 @@ class _StepPlan:
 class EngineLoop:
     """A small vLLM-like engine loop over a :class:`KVMemory`, the connector's scheduler half and W workers.
 
-    ``inline_shutdown``: the workers' and the manager's shutdown never block (held copies, manually
-    completed tiers), so a bounded shutdown runs them on the calling thread instead of on helper threads.
+    ``threaded``: the copies (and tier transfers) run on threads of their own, as the real backends'
+    do: a pure polling step yields the GIL to them, and a bounded shutdown stops the workers and the
+    manager on helper threads. False for held copies and manually completed tiers, which only run when
+    called: nothing to yield to, and their shutdown never blocks, so it runs on the calling thread.
     """
 
     def __init__(
@@ -107,7 +109,7 @@ class EngineLoop:
         memory: KVMemory,
         scheduler: OffloadingScheduler,
         workers: list[OffloadingWorker],
-        inline_shutdown: bool = False,
+        threaded: bool = True,
     ) -> None:
         self.tokens_per_block = tokens_per_block
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -117,7 +119,7 @@ class EngineLoop:
         self.workers = workers
         self.block_pool = BlockPool(num_gpu_blocks)
         self.state = EngineState.IDLE
-        self._inline_shutdown = inline_shutdown
+        self._threaded = threaded
         self._machine = engine_machine()
         self._inbox: deque[EngineRequest] = deque()
         self._inbox_lock = threading.Lock()
@@ -206,7 +208,7 @@ class EngineLoop:
         )
         if meta.jobs_to_flush:
             self.blocking_waits += 1
-        if not plan.scheduled and self.state is EngineState.DRAINING:
+        if self._threaded and not plan.scheduled and self.state is EngineState.DRAINING:
             # A pure polling step: let the CPU copy threads take the GIL (a yield, not a wait; GPU copies
             # don't need it). Not in the finishing step, which plans the final stores.
             time.sleep(0)
@@ -472,7 +474,7 @@ class EngineLoop:
         the deadline passes, with ``timeout``), then gives up on what is left: jobs no worker launched are
         cancelled and launched ones time out (their memory is quarantined until their copies report).
         Then ``stop`` fires and the workers and the manager are shut down within the time left, on helper
-        threads (unless ``inline_shutdown``). With ``timeout`` (seconds) the whole shutdown returns within
+        threads (when ``threaded``). With ``timeout`` (seconds) the whole shutdown returns within
         about ``timeout`` plus a small margin, even when a transfer or a tier hangs; without it, it waits
         for every transfer. Returns what had to be given up on.
         """
@@ -525,7 +527,7 @@ class EngineLoop:
         def left() -> float:
             return _SHUTDOWN_GRACE_S if end is None else max(end - time.monotonic(), _SHUTDOWN_GRACE_S)
 
-        bounded = end is not None and not self._inline_shutdown
+        bounded = end is not None and self._threaded
         if bounded:
             stuck = run_bounded_all([(f"worker {w.rank}", w.shutdown) for w in self.workers], left())
             report.abandoned.extend(stuck)

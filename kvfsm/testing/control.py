@@ -120,7 +120,7 @@ class TagEngine(EngineLoop):
             memory=self.tags,
             scheduler=scheduler,
             workers=[OffloadingWorker(rank, config.world_size, b) for rank, b in enumerate(self.backends)],
-            inline_shutdown=True,
+            threaded=False,
         )
 
 
