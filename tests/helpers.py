@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
+from kvfsm.control.requests import TokenRequest
 from kvfsm.control.types import GPUBlockSpec, OffloadKey, SlotSpec, make_offload_key
-from kvfsm.engine.requests import chain_block_hashes  # pure Python: kvfsm.engine.requests needs no torch
 
 if TYPE_CHECKING:
     from kvfsm.data.backend import ThreadPoolCopyBackend
@@ -67,35 +67,11 @@ def tokens(seed: str, n: int, vocab: int = 32000) -> list[int]:
     return out
 
 
-class FakeRequest:
-    """A request as the scheduler half reads it (the OffloadRequest protocol), mutable by tests."""
+class FakeRequest(TokenRequest):
+    """A request as the scheduler half reads it (the OffloadRequest protocol), mutable by tests (whose
+    token ids only ever grow)."""
 
-    def __init__(
-        self,
-        req_id: str,
-        token_ids: Sequence[int],
-        tokens_per_block: int,
-        *,
-        num_prompt_tokens: int | None = None,
-        num_computed_tokens: int = 0,
-    ) -> None:
-        self.req_id = req_id
-        self.token_ids = list(token_ids)
-        self.tokens_per_block = tokens_per_block
-        self.num_prompt_tokens = len(self.token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        self.num_computed_tokens = num_computed_tokens
-        self.is_aborted = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def block_hashes(self) -> list[bytes]:
-        return chain_block_hashes(self.token_ids, self.tokens_per_block)
-
-    def __repr__(self) -> str:
-        return f"FakeRequest({self.req_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+    __slots__ = ()
 
 
 def keys_of(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[OffloadKey]:

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
+from kvfsm.control.decisions import settle_event
 from kvfsm.errors import ConfigError, InvalidTransition
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.states import (
@@ -72,6 +73,7 @@ __all__ = [
     "Model",
     "ModelViolation",
     "Req",
+    "RequestScratch",
     "State",
     "TierRec",
 ]
@@ -234,7 +236,9 @@ class _SlotScratch:
         self.readers = readers
 
 
-class _ReqScratch:
+class RequestScratch:
+    """A request machine model of a given phase, with or without jobs (to ask the machine about it)."""
+
     __slots__ = ("_jobs", "state")
 
     def __init__(self, state: RequestState, has_jobs: bool) -> None:
@@ -439,7 +443,7 @@ class Model:
         key = (phase, event, has_jobs)
         r = self._memo_req.get(key)
         if r is None:
-            scratch = _ReqScratch(phase, has_jobs)
+            scratch = RequestScratch(phase, has_jobs)
             try:
                 effect = self._req.fire(scratch, event)
                 r = (scratch.state, effect)
@@ -848,17 +852,13 @@ class Model:
         self._report(w)
         self._finish_loads(w)
         # The engine settles.
-        unfinished = any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in reqs)
-        if unfinished:
-            if w.engine is not EngineState.RUNNING:
-                w.engine = self.engine_event(w.engine, EngineEvent.ADMIT, False)
-        elif w.engine is EngineState.RUNNING:
-            w.engine = self.engine_event(w.engine, EngineEvent.ALL_FINISHED, False)
-        elif w.engine in (EngineState.FINISHING, EngineState.DRAINING):
+        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in reqs))
+        if event is EngineEvent.SETTLE:
             live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
             tier = w.tier
-            pending = self.pending_push_work(live, lambda: bool(tier))
-            w.engine = self.engine_event(w.engine, EngineEvent.SETTLE, pending)
+            w.engine = self.engine_event(w.engine, event, self.pending_push_work(live, lambda: bool(tier)))
+        elif event is not None:
+            w.engine = self.engine_event(w.engine, event, False)
         return self._compact(w)
 
     def _launch(self, job: list[Any], rank: int) -> None:

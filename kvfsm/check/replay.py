@@ -2,13 +2,15 @@
 
 :class:`Harness` is the system under test: the real :class:`~kvfsm.control.scheduler.OffloadingScheduler`
 and :class:`~kvfsm.control.cpu.CPUOffloadingManager` (behind a real
-:class:`~kvfsm.control.tiering.TieringManager` when the bounds have a tier), ``W`` :class:`LoopbackWorker`
-ranks that follow the real worker's launch protocol without copying anything, a :class:`LoopbackTier`,
-and a small engine loop that fires the real engine machine exactly as the reference engine does. No torch.
+:class:`~kvfsm.control.tiering.TieringManager` when the bounds have a tier), ``W`` real
+:class:`~kvfsm.control.worker.OffloadingWorker` ranks over :class:`~kvfsm.control.worker.HeldCopyBackend`
+copies that move nothing and finish only when an event says so, a :class:`LoopbackTier`, and a small engine
+loop, at the model's finer granularity (a lookup, a step, a finish are separate events), that fires the
+real engine machine as the reference engine does (:func:`~kvfsm.control.decisions.settle_event`). No torch.
 
 Every event label of :mod:`kvfsm.check.model` is an operation of the harness (:meth:`Harness.apply`), and
 :func:`abstract` reads the harness back into a model :class:`~kvfsm.check.model.State` (through public
-accessors, plus a few private fields a white-box harness may read). Then:
+accessors and the scheduler's queries for verifiers). Then:
 
 * :func:`replay_edges` walks the explored graph depth-first along its BFS tree, keeps a copy of the
   harness per tree level, and for **every edge** applies the event to a copy of the source's harness and
@@ -48,27 +50,26 @@ from kvfsm.check.model import (
     Label,
     Model,
     Req,
+    RequestScratch,
     State,
     TierRec,
 )
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.decisions import settle_event
 from kvfsm.control.job import Job
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
-from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
+from kvfsm.control.metadata import WorkerOutput
+from kvfsm.control.requests import TokenRequest, chain_block_hashes
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import (
-    GPUBlockSpec,
     LookupResult,
-    OffloadingEvent,
     OffloadKey,
-    PrepareStoreOutput,
     ReqContext,
-    SlotSpec,
     make_offload_key,
 )
-from kvfsm.engine.requests import chain_block_hashes
+from kvfsm.control.worker import HeldCopyBackend, OffloadingWorker
 from kvfsm.errors import KvfsmError
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.states import (
@@ -85,7 +86,6 @@ from kvfsm.states import (
 __all__ = [
     "Harness",
     "LoopbackTier",
-    "LoopbackWorker",
     "Mismatch",
     "ReplayReport",
     "abstract",
@@ -100,79 +100,14 @@ _CTX = ReqContext("probe")
 # --------------------------------------------------------------------------------------------- the parts
 
 
-class ModelRequest:
-    """A request of one of the model's prompts (the OffloadRequest protocol)."""
-
-    __slots__ = ("block_hashes", "is_aborted", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "req_id")
-
-    def __init__(self, req_id: str, token_ids: list[int]) -> None:
-        self.req_id = req_id
-        self.block_hashes = chain_block_hashes(token_ids, TOKENS_PER_BLOCK)
-        self.num_tokens = len(token_ids)
-        self.num_prompt_tokens = len(token_ids)
-        self.num_computed_tokens = 0
-        self.is_aborted = False
-
-
-class LoopbackWorker:
-    """One worker rank without torch: the launch protocol of :class:`kvfsm.data.worker.OffloadingWorker`
-    (flush, wait, then loads before the forward; stores after it), but a copy finishes only when
-    :meth:`finish_copy` says so, and a blocking wait finishes the copies it waits for (successfully)."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.unlaunched_stores: dict[int, Job] = {}
-        self.launched: dict[int, Job] = {}  #: launched, outcome not polled yet
-        self.finished: dict[int, bool] = {}  #: copies that finished (ok?) and await the next poll
-
-    def _here(self, job: Job) -> bool:
-        return bool((job.launched_mask >> self.rank) & 1)
-
-    def _launch(self, job: Job) -> None:
-        self.unlaunched_stores.pop(job.job_id, None)
-        if job.is_terminal or self._here(job):
-            return
-        if job.launch(self.rank):
-            self.launched[job.job_id] = job
-
-    def before_forward(self, meta: ConnectorMetadata) -> None:
-        pending = dict(self.unlaunched_stores)
-        pending.update((j.job_id, j) for j in meta.store_jobs.values() if not self._here(j))
-        self.unlaunched_stores = pending
-        for jid, job in list(pending.items()):
-            if jid in meta.jobs_to_flush:
-                self._launch(job)
-        for jid in meta.jobs_to_flush:
-            if jid in self.launched and jid not in self.finished:
-                self.finished[jid] = True  # the blocking wait: the copy completes
-        for job in meta.load_jobs.values():
-            if not self._here(job):
-                self._launch(job)
-
-    def after_forward(self, meta: ConnectorMetadata) -> None:
-        pending = dict(self.unlaunched_stores)
-        pending.update((j.job_id, j) for j in meta.store_jobs.values() if not self._here(j))
-        self.unlaunched_stores = pending
-        for job in list(pending.values()):
-            self._launch(job)
-
-    def finish_copy(self, job_id: int, ok: bool) -> None:
-        if job_id not in self.launched or job_id in self.finished:
-            raise KvfsmError(f"worker {self.rank} has no copy of job {job_id} in flight")
-        self.finished[job_id] = ok
-
-    def poll(self) -> list[tuple[Job, bool]]:
-        out = [(self.launched.pop(jid), ok) for jid, ok in self.finished.items()]
-        self.finished = {}
-        return out
-
-    def shard(self, job: Job) -> int:
-        if job.job_id in self.finished:
-            return DONE_OK if self.finished[job.job_id] else DONE_FAIL
-        if job.job_id in self.launched:
-            return COPYING
-        return REPORTED if self._here(job) else UNLAUNCHED
+def shard_state(worker: OffloadingWorker, backend: HeldCopyBackend, job: Job) -> int:
+    """Where ``job``'s copy on ``worker``'s rank stands, as the model encodes a shard."""
+    ok = backend.done.get(job.job_id)
+    if ok is not None:
+        return DONE_OK if ok else DONE_FAIL
+    if job.job_id in backend.held:
+        return COPYING
+    return REPORTED if worker.launched_here(job) else UNLAUNCHED
 
 
 class LoopbackTier(SecondaryTier):
@@ -185,6 +120,9 @@ class LoopbackTier(SecondaryTier):
         self.key_ids = key_ids
         self.copying: dict[int, TierJob] = {}
         self.done: dict[int, tuple[TierJob, bool]] = {}
+        #: The manager polled this tier since the last schedule end (or reset): its once-per-step poll
+        #: gate is closed.
+        self.polled = False
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.MISS
@@ -198,7 +136,11 @@ class LoopbackTier(SecondaryTier):
     def finish(self, job_id: int, ok: bool) -> None:
         self.done[job_id] = (self.copying.pop(job_id), ok)
 
+    def on_schedule_end(self) -> None:
+        self.polled = False  # the manager reopens its poll gate right after this hook
+
     def get_finished_jobs(self) -> list[JobResult]:
+        self.polled = True
         order = sorted(self.done.values(), key=lambda d: self.keys(d[0]))
         self.done = {}
         return [JobResult(job.job_id, ok) for job, ok in order]
@@ -226,7 +168,7 @@ class _Engine:
 
 @dataclass(slots=True)
 class _HReq:
-    request: ModelRequest
+    request: TokenRequest
     prompt: int
     eng: int = E_WAIT
     group: int = -1  #: group the engine holds (loading or running)
@@ -256,7 +198,8 @@ class Harness:
         )
         self.config = OffloadConfig(TOKENS_PER_BLOCK, 1, b.workers)
         self.sched = OffloadingScheduler(self.config, self.manager, checked=checked)
-        self.workers = [LoopbackWorker(r, b.workers) for r in range(b.workers)]
+        self.backends = [HeldCopyBackend() for _ in range(b.workers)]
+        self.workers = [OffloadingWorker(r, b.workers, backend) for r, backend in enumerate(self.backends)]
         self.engine = _Engine(self.sched)
         self.engine_machine = engine_machine()
         self.requests: dict[str, _HReq] = {}
@@ -285,15 +228,15 @@ class Harness:
         """Every job the scheduler awaits or some worker still holds, by id."""
         jobs = self.sched.jobs()
         for w in self.workers:
-            for table in (w.launched, w.unlaunched_stores):
+            for table in (w.in_flight_jobs(), w.unlaunched_stores()):
                 for jid, job in table.items():
                     jobs.setdefault(jid, job)
         return jobs
 
     def scheduler_group(self, rid: str) -> int:
-        st = self.sched._requests.get(rid)  # white-box: the blocks the scheduler knows
-        if st is not None:
-            return self.group_of(st.block_ids)
+        blocks = self.sched.request_block_ids(rid)
+        if blocks is not None:
+            return self.group_of(blocks)
         h = self.requests[rid]
         return h.group if h.eng in (E_LOAD, E_RUN) else -1
 
@@ -303,7 +246,7 @@ class Harness:
         """Apply a model event; indices in ``label`` are resolved through ``refs`` (see :func:`abstract`)."""
         kind = label[0]
         if kind == "copy":
-            self.workers[refs.workers[label[2]]].finish_copy(refs.jobs[label[1]], label[3])
+            self.backends[refs.workers[label[2]]].complete(refs.jobs[label[1]], label[3])
         elif kind == "tier":
             assert self.tier is not None
             self.tier.finish(refs.tier[label[1]], label[2])
@@ -329,7 +272,7 @@ class Harness:
     def arrive(self, prompt: int) -> str:
         rid = f"r{self.arrivals}"
         self.arrivals += 1
-        req = ModelRequest(rid, self.tokens[prompt])
+        req = TokenRequest(rid, self.tokens[prompt], TOKENS_PER_BLOCK)
         self.requests[rid] = _HReq(req, prompt)
         self.sched.on_new_request(req)
         self._fire_engine(EngineEvent.ADMIT)
@@ -402,21 +345,20 @@ class Harness:
 
     def poll(self) -> WorkerOutput:
         """Every worker's poll, summed, in the order the model applies reports (kind, then keys)."""
-        ok: dict[int, int] = {}
-        bad: dict[int, int] = {}
         jobs: dict[int, Job] = {}
         for w in self.workers:
-            for job, success in w.poll():
-                jobs[job.job_id] = job
-                table = ok if success else bad
-                table[job.job_id] = table.get(job.job_id, 0) + 1
+            jobs.update(w.in_flight_jobs())
+        summed = WorkerOutput()
+        for w in self.workers:
+            summed.merge(w.poll())
+        ok, bad = summed.completed, summed.failed
 
         def order(jid: int) -> tuple[int, tuple[int, ...]]:
             job = jobs[jid]
             return (STORE if job.kind is JobKind.STORE else LOAD, tuple(self.key_ids[k] for k in job.keys))
 
-        out = WorkerOutput()
-        for jid in sorted(jobs, key=order):
+        out = WorkerOutput(finished_recving=summed.finished_recving)
+        for jid in sorted(ok.keys() | bad.keys(), key=order):
             if jid in bad:
                 out.failed[jid] = bad[jid]
             if jid in ok:
@@ -443,15 +385,9 @@ class Harness:
             self.running.append(rid)
 
     def _settle(self) -> None:
-        unfinished = any(h.eng in (E_WAIT, E_LOAD, E_RUN) for h in self.requests.values())
-        state = self.engine.state
-        if unfinished:
-            if state is not EngineState.RUNNING:
-                self._fire_engine(EngineEvent.ADMIT)
-        elif state is EngineState.RUNNING:
-            self._fire_engine(EngineEvent.ALL_FINISHED)
-        elif state in (EngineState.FINISHING, EngineState.DRAINING):
-            self._fire_engine(EngineEvent.SETTLE)
+        event = settle_event(self.engine.state, any(h.eng in (E_WAIT, E_LOAD, E_RUN) for h in self.requests.values()))
+        if event is not None:
+            self._fire_engine(event)
 
     def _forget(self) -> None:
         for rid in [r for r, h in self.requests.items() if h.eng == E_DONE and not self.sched.is_tracked(r)]:
@@ -471,6 +407,8 @@ class Harness:
 
     def reset(self) -> None:
         self.sched.reset_cache()
+        if self.tier is not None:
+            self.tier.polled = False  # reset_cache reopens the manager's poll gate
         self.resets += 1
         self.finished_order = []
         self._forget()
@@ -499,7 +437,6 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
     reqs = []
     for rid in rids:
         r = h.requests[rid]
-        st = sched._requests.get(rid)
         phase = sched.request_state(rid)
         if r.eng == E_RUN:
             pos = h.running.index(rid)
@@ -514,7 +451,7 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
                 r.eng,
                 r.prompt,
                 r.request.num_computed_tokens,
-                st.next_stored_chunk if st is not None else 0,
+                sched.next_stored_chunk(rid),
                 h.scheduler_group(rid),
                 pos,
                 fin,
@@ -525,8 +462,11 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
     jobs = []
     job_ids = []
     threshold = sched.stale_threshold
+    planned = sched.planned_load_ids()
     for jid, job in sorted(h.known_jobs().items()):
-        shards = tuple((w.shard(job) if jid not in sched._batch.loads else UNLAUNCHED) for w in h.workers)
+        shards = tuple(
+            UNLAUNCHED if jid in planned else shard_state(w, b, job) for w, b in zip(h.workers, h.backends, strict=True)
+        )
         in_sched = jid in live
         if not in_sched and not any(sh in (COPYING, DONE_OK, DONE_FAIL) for sh in shards):
             continue
@@ -562,7 +502,7 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
         for jid, (tjob, ok) in h.tier.done.items():
             tier_recs.append(TierRec(h.tier.keys(tjob), DONE_OK if ok else DONE_FAIL))
             tier_ids.append(jid)
-    polled = bool(getattr(h.manager, "_polled", False)) if h.tier is not None else False
+    polled = h.tier.polled if h.tier is not None else False
     state = State(
         h.engine.state,
         tuple(reqs),
@@ -571,7 +511,7 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
         lru,
         tuple(tier_recs),
         polled,
-        bool(sched._reset_flush),
+        sched.has_reset_flush(),
         h.arrivals,
         h.resets,
         h.preemptions,
@@ -636,37 +576,18 @@ def _shared_memo(h: Harness) -> dict[int, Any]:
     ):
         memo[id(machine)] = machine
     for job in h.known_jobs().values():
-        memo[id(job.machine)] = job.machine
+        # The spec machine and the job's immutable records (frozen dataclasses) are shared.
+        for part in (job.machine, job.gpu, job.slots):
+            memo[id(part)] = part
+    for backend in h.backends:
+        for held in backend.held.values():
+            memo[id(held)] = held
     return memo
 
 
-#: Immutable records (frozen dataclasses of immutable fields): a clone may share them.
-_ATOMIC: tuple[type, ...] = (
-    GPUBlockSpec,
-    SlotSpec,
-    ReqContext,
-    PrepareStoreOutput,
-    OffloadingEvent,
-    TierJob,
-    JobResult,
-    OffloadConfig,
-    ScheduledRequest,
-    SchedulerOutput,
-    Bounds,
-)
-
-
 def _clone(h: Harness) -> Harness:
-    """An independent copy of the harness (spec machines and immutable records shared)."""
-    dispatch: dict[type, Any] = copy._deepcopy_dispatch  # type: ignore[attr-defined]
-    added = [t for t in _ATOMIC if t not in dispatch]
-    for t in added:
-        dispatch[t] = copy._deepcopy_atomic  # type: ignore[attr-defined]
-    try:
-        return copy.deepcopy(h, _shared_memo(h))
-    finally:
-        for t in added:
-            del dispatch[t]
+    """An independent copy of the harness (spec machines, key tables and jobs' immutable records shared)."""
+    return copy.deepcopy(h, _shared_memo(h))
 
 
 def replay_path(bounds: Bounds, model: Model, path: Sequence[Label], states: Sequence[State]) -> Harness:
@@ -824,18 +745,7 @@ def _pre_poll(h: Harness) -> None:
         h.manager.lookup(h.keys_by_id[0], _CTX)
 
 
-class _ReqProbe:
-    __slots__ = ("_jobs", "state")
-
-    def __init__(self, state: RequestState, has_jobs: bool) -> None:
-        self.state = state
-        self._jobs = has_jobs
-
-    def has_jobs(self) -> bool:
-        return self._jobs
-
-
-def _req(x: Harness, rid: str) -> ModelRequest:
+def _req(x: Harness, rid: str) -> TokenRequest:
     return x.requests[rid].request
 
 
@@ -920,7 +830,7 @@ def disabled_events(h: Harness, state: State, refs: Refs) -> list[Probe]:
         if not sched.is_tracked(rid):
             continue
         phase = state.reqs[i].phase
-        probe = _ReqProbe(phase, bool(sched.request_jobs(rid)))
+        probe = RequestScratch(phase, bool(sched.request_jobs(rid)))
         where = f"in {phase.value}"
         if not rm.can_fire(probe, RequestEvent.FINISH):
             out.append((f"request_finished({rid}) {where}", _p_finish(rid)))

@@ -827,6 +827,26 @@ class OffloadingScheduler:
         self._finished_unsignalled.clear()
         self._events.clear()
 
+    # --- queries for verifiers ---
+
+    def request_block_ids(self, req_id: str) -> tuple[int, ...] | None:
+        """The GPU blocks the connector holds for a tracked request (None: not tracked)."""
+        st = self._requests.get(req_id)
+        return None if st is None else tuple(st.block_ids)
+
+    def next_stored_chunk(self, req_id: str) -> int:
+        """The first chunk of a tracked request not planned for a store yet (0: not tracked)."""
+        st = self._requests.get(req_id)
+        return 0 if st is None else st.next_stored_chunk
+
+    def planned_load_ids(self) -> frozenset[int]:
+        """Load jobs planned in the step being scheduled, not handed to the workers yet."""
+        return frozenset(self._batch.loads)
+
+    def has_reset_flush(self) -> bool:
+        """A reset_cache left jobs for the next build_connector_meta to flush."""
+        return bool(self._reset_flush)
+
     def shutdown(self, timeout: float | None = None) -> bool:
         """Release what timed-out copies still held, then shut the manager down within ``timeout``
         (None: as long as it takes). Returns False if the manager did not finish in time."""

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.control.worker import CopyBackend
 from kvfsm.data.calibration import CalibrationTable, Choice, cached_table
 from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.layout import is_int
@@ -74,30 +74,6 @@ DEFAULT_STAGE_BYTES = 2 << 20
 CALIBRATE_MIN_BYTES = 1 << 20
 #: Jobs of the runs path at least this large are split over the helper threads.
 _SPLIT_BYTES = 4 << 20
-
-
-class CopyBackend(Protocol):
-    """What a worker needs from a copy engine: asynchronous batched copies with completion polling."""
-
-    def check(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> None:
-        """Raise ConfigError if the job cannot be copied; never changes anything."""
-        ...
-
-    def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
-        """Start the copy of one job; its outcome is reported once by :meth:`poll`."""
-        ...
-
-    def poll(self) -> list[tuple[int, bool]]:
-        """``(job_id, success)`` for every submitted job that finished since the last poll, each once."""
-        ...
-
-    def wait(self, job_ids: Iterable[int]) -> None:
-        """Block until the named jobs (those submitted and not yet polled) have finished."""
-        ...
-
-    def shutdown(self) -> None:
-        """Finish everything outstanding and release the copy threads."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,40 +1,23 @@
-"""The worker half: launches each step's jobs on its copy backend and reports their outcomes.
+"""The worker half's torch factories: one :class:`OffloadingWorker` per rank over a torch copy backend.
 
-Per engine step the engine calls, on every worker (one per tensor-parallel rank):
-
-1. :meth:`OffloadingWorker.before_forward` - launch the store jobs the scheduler wants flushed (new or
-   still un-launched), block until every flushed job this worker launched has finished (the GPU blocks they
-   read are about to be reused), then launch this step's load jobs.
-2. the forward pass;
-3. :meth:`OffloadingWorker.after_forward` - launch the step's remaining store jobs: they read blocks the
-   forward has just written, so they start after it;
-4. :meth:`OffloadingWorker.poll` - a :class:`WorkerOutput` with one ack (or failure) per finished job.
-
-The job machine decides every launch: ``job.launch(rank)`` fires ``launch`` for this rank (at most once,
-the spec's ``worker_not_launched`` guard) and returns True when its effect is ``start_copy``. Terminal jobs
-(stale, cancelled, failed, complete) are skipped without a copy or an ack. The worker never acks or fails
-a job itself: the scheduler does that when it processes the summed outputs of all workers.
+The launch protocol itself is sans IO, in :mod:`kvfsm.control.worker` (re-exported here): this module only
+builds each rank's CPU slot pool and copy backend (:class:`~kvfsm.data.cuda.CudaCopyBackend` for CUDA
+caches, else :class:`~kvfsm.data.backend.ThreadPoolCopyBackend`) over its head shard of the KV caches.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
-from kvfsm.control.job import Job
-from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
-from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+from kvfsm.control.worker import CopyBackend, OffloadingWorker
+from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.cuda import CudaCopyBackend
-from kvfsm.data.layout import is_int, shard_kv_caches
+from kvfsm.data.layout import shard_kv_caches
 from kvfsm.data.pool import CPUSlotPool
-from kvfsm.errors import ConfigError
-from kvfsm.states import JobKind
 
 __all__ = ["BackendFactory", "OffloadingWorker", "PoolFactory", "default_backend", "make_workers"]
-
-logger = logging.getLogger(__name__)
 
 #: Builds one rank's pool: ``(num_slots, blocks_per_chunk, block_shape, num_layers, dtype)``;
 #: :class:`CPUSlotPool` itself is one.
@@ -51,139 +34,6 @@ def default_backend(
     if shard and shard[0].device.type == "cuda":
         return CudaCopyBackend(shard, pool, blocks_per_chunk)
     return ThreadPoolCopyBackend(shard, pool, blocks_per_chunk, max_workers=max_workers)
-
-
-class OffloadingWorker:
-    """One tensor-parallel rank's half of the connector."""
-
-    __slots__ = ("_launched", "_submit_failures", "_unlaunched_stores", "backend", "rank", "world_size")
-
-    def __init__(self, rank: int, world_size: int, backend: CopyBackend) -> None:
-        if not is_int(world_size) or world_size < 1:
-            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
-        if not is_int(rank) or not 0 <= rank < world_size:
-            raise ConfigError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
-        self.rank = rank
-        self.world_size = world_size
-        self.backend = backend
-        #: Store jobs received but not launched by this rank yet, in arrival order.
-        self._unlaunched_stores: dict[int, Job] = {}
-        #: Jobs this rank launched whose outcome poll() has not reported yet.
-        self._launched: dict[int, Job] = {}
-        #: Jobs launched whose copy could not even be submitted: reported failed by the next poll().
-        self._submit_failures: list[int] = []
-
-    def __repr__(self) -> str:
-        return (
-            f"OffloadingWorker(rank={self.rank}, world_size={self.world_size}, "
-            f"in_flight={len(self._launched)}, unlaunched_stores={len(self._unlaunched_stores)})"
-        )
-
-    # ------------------------------------------------------------------ the engine step
-
-    def before_forward(self, meta: ConnectorMetadata) -> None:
-        """Flush the stores in ``meta.jobs_to_flush``, wait for them, then launch this step's loads."""
-        new_stores = self._new_jobs(meta.store_jobs.values(), JobKind.STORE)
-        loads = self._new_jobs(meta.load_jobs.values(), JobKind.LOAD)
-        pending = dict(self._unlaunched_stores)
-        pending.update((job.job_id, job) for job in new_stores)
-        flush = meta.jobs_to_flush
-        flushed = [job for jid, job in pending.items() if jid in flush]
-        self._check(flushed + loads)  # validate everything before the first transition fires
-        self._unlaunched_stores = pending
-        for job in flushed:
-            self._launch(job)
-        to_wait = [jid for jid in flush if jid in self._launched]
-        if to_wait:
-            self.backend.wait(to_wait)
-        for job in loads:
-            self._launch(job)
-
-    def after_forward(self, meta: ConnectorMetadata) -> None:
-        """Launch every store job not launched yet: this step's and any left over from earlier steps."""
-        new_stores = self._new_jobs(meta.store_jobs.values(), JobKind.STORE)
-        pending = dict(self._unlaunched_stores)
-        pending.update((job.job_id, job) for job in new_stores)
-        self._check(list(pending.values()))
-        self._unlaunched_stores = pending
-        for job in list(pending.values()):
-            self._launch(job)
-
-    def poll(self) -> WorkerOutput:
-        """One ack per job that finished since the last poll: ``completed`` on success, else ``failed``.
-
-        A finished load also reports its request in ``finished_recving`` (whatever its outcome: this rank is
-        done with it; the scheduler reads the job's outcome from the counts).
-        """
-        out = WorkerOutput()
-        results = [(jid, False) for jid in self._submit_failures]
-        self._submit_failures = []
-        results.extend(self.backend.poll())
-        for job_id, ok in results:
-            job = self._launched.pop(job_id, None)
-            if ok:
-                out.completed[job_id] = out.completed.get(job_id, 0) + 1
-            else:
-                out.failed[job_id] = out.failed.get(job_id, 0) + 1
-            if job is not None and job.kind is JobKind.LOAD:
-                out.finished_recving.add(job.req_id)
-        return out
-
-    def wait_all(self) -> None:
-        """Block until every job this rank launched has finished (its outcome still comes from poll)."""
-        if self._launched:
-            self.backend.wait(list(self._launched))
-
-    def shutdown(self) -> None:
-        """Wait for the outstanding copies, then stop the backend. Un-launched stores are dropped."""
-        self.wait_all()
-        self._unlaunched_stores.clear()
-        self.backend.shutdown()
-
-    @property
-    def num_in_flight(self) -> int:
-        """Jobs this rank launched whose outcome poll() has not reported yet."""
-        return len(self._launched)
-
-    @property
-    def unlaunched_store_ids(self) -> tuple[int, ...]:
-        return tuple(self._unlaunched_stores)
-
-    # ------------------------------------------------------------------ internals
-
-    def _launched_here(self, job: Job) -> bool:
-        return bool((job.launched_mask >> self.rank) & 1)
-
-    def _new_jobs(self, jobs: Iterable[Job], kind: JobKind) -> list[Job]:
-        """The jobs this rank has not launched yet (a repeated metadata object is not a second launch)."""
-        fresh: list[Job] = []
-        for job in jobs:
-            if job.kind is not kind:
-                raise ConfigError(f"job {job.job_id} is a {job.kind.value} job; expected a {kind.value} job")
-            if job.world_size != self.world_size:
-                raise ConfigError(f"job {job.job_id} has world_size={job.world_size}; expected {self.world_size}")
-            if not self._launched_here(job):
-                fresh.append(job)
-        return fresh
-
-    def _check(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            if not job.is_terminal:
-                self.backend.check(job.kind is JobKind.STORE, job.gpu, job.slots)
-
-    def _launch(self, job: Job) -> None:
-        self._unlaunched_stores.pop(job.job_id, None)
-        if job.is_terminal or self._launched_here(job):
-            return
-        if not job.launch(self.rank):
-            return
-        self._launched[job.job_id] = job
-        try:
-            self.backend.submit(job.job_id, job.kind is JobKind.STORE, job.gpu, job.slots)
-        except Exception:
-            # The job machine already counts this rank as launched: it must still get an outcome.
-            logger.exception("job %d: could not submit the copy on rank %d", job.job_id, self.rank)
-            self._submit_failures.append(job.job_id)
 
 
 def make_workers(

@@ -5,23 +5,9 @@ from __future__ import annotations
 import hashlib
 from enum import Enum
 
+from kvfsm.control.requests import TokenRequest, chain_block_hashes
+
 __all__ = ["EngineRequest", "RequestStatus", "chain_block_hashes"]
-
-
-def _hash_block(parent: bytes, tokens: list[int]) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in tokens))
-    return h.digest()
-
-
-def chain_block_hashes(token_ids: list[int], tokens_per_block: int, prefix: list[bytes] | None = None) -> list[bytes]:
-    """Hash every full block, each hash covering its whole prefix (as vLLM's prefix caching does)."""
-    hashes = list(prefix or [])
-    parent = hashes[-1] if hashes else b"kvfsm-root"
-    for start in range(len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
-        parent = _hash_block(parent, token_ids[start : start + tokens_per_block])
-        hashes.append(parent)
-    return hashes
 
 
 class RequestStatus(Enum):
@@ -32,24 +18,17 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
-class EngineRequest:
+class EngineRequest(TokenRequest):
     """A generation request. Output tokens are a deterministic function of the sequence so far."""
 
     __slots__ = (
-        "_block_hashes",
-        "aborted",
         "arrival_step",
         "arrival_time",
         "block_ids",
         "first_scheduled_step",
         "first_scheduled_time",
         "max_tokens",
-        "num_computed_tokens",
-        "output_token_ids",
-        "prompt_token_ids",
-        "req_id",
         "status",
-        "tokens_per_block",
         "vocab_size",
     )
 
@@ -65,47 +44,48 @@ class EngineRequest:
             raise ValueError(f"request {req_id!r}: the prompt must have at least one token")
         if max_tokens < 1:
             raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        self.req_id = req_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        super().__init__(req_id, prompt_token_ids, tokens_per_block)
         self.max_tokens = max_tokens
-        self.tokens_per_block = tokens_per_block
         self.vocab_size = vocab_size
-        self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.aborted = False
         self.block_ids: list[int] = []
         self.arrival_step = -1
         self.arrival_time = 0.0
         self.first_scheduled_time: float | None = None
         self.first_scheduled_step: int | None = None
-        self._block_hashes: list[bytes] = []
+
+    @property
+    def aborted(self) -> bool:
+        """The engine aborted the request (the connector reads it as ``is_aborted``)."""
+        return self.is_aborted
+
+    @aborted.setter
+    def aborted(self, value: bool) -> None:
+        self.is_aborted = value
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy: :meth:`append_output` adds one)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def is_aborted(self) -> bool:
-        return self.aborted
+        return list(self.token_ids)
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def block_hashes(self) -> list[bytes]:
-        if len(self._block_hashes) < self.num_tokens // self.tokens_per_block:
-            self._block_hashes = chain_block_hashes(self.all_token_ids, self.tokens_per_block, self._block_hashes)
-        return self._block_hashes
+    def append_output(self, token: int) -> None:
+        self.token_ids.append(token)
 
     def sample_next(self) -> int:
         """A deterministic 'sampled' token: the same sequence always continues the same way."""

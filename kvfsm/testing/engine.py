@@ -20,7 +20,6 @@ from typing import ClassVar
 import torch
 
 from kvfsm.control.job import Job
-from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.types import OffloadKey
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.layout import head_shard, shard_kv_caches
@@ -28,9 +27,8 @@ from kvfsm.data.pool import CPUSlotPool
 from kvfsm.data.worker import OffloadingWorker
 from kvfsm.deadlines import ManualClock
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
-from kvfsm.engine.requests import EngineRequest
-from kvfsm.states import EngineState
 from kvfsm.testing.backend import ManualCopyBackend
+from kvfsm.testing.control import LoopHarness
 from kvfsm.testing.coverage import spec_covered
 from kvfsm.testing.system import SYSTEM_EXEMPT, SystemConfig, SystemHarness, SystemStateMachine, make_manager
 
@@ -56,8 +54,10 @@ class PoolsSlotIO:
             raise AssertionError(f"slot data has {len(data)} bytes; expected {offset}")
 
 
-class EngineHarness(SystemHarness):
+class EngineHarness(LoopHarness):
     """A ReferenceEngine whose W workers copy through manual backends over real thread-pool backends."""
+
+    engine: ReferenceEngine
 
     def __init__(self, config: SystemConfig, device: str | None = "cpu") -> None:
         self.config = config
@@ -111,64 +111,6 @@ class EngineHarness(SystemHarness):
 
     # -- SystemHarness --
 
-    @property
-    def scheduler(self) -> OffloadingScheduler:
-        return self.engine.scheduler
-
-    @property
-    def state(self) -> EngineState:
-        return self.engine.current_state()
-
-    def make_request(self, req_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
-        return self.engine.make_request(req_id, prompt, max_tokens)
-
-    def add_request(self, request: EngineRequest, late: bool) -> None:
-        if late:
-            self.engine.add_request_during_next_step(request)
-        else:
-            self.engine.add_request(request)
-
-    def step(self) -> tuple[EngineState, bool] | None:
-        rec = self.engine.step()
-        return None if rec is None else (rec.state, rec.pending_push_work)
-
-    def has_pending_push_work(self) -> bool:
-        return self.engine.has_pending_push_work()
-
-    def live_request_ids(self) -> list[str]:
-        return sorted(r.req_id for r in self.engine.requests.values() if not r.is_finished)
-
-    def is_admitted(self, req_id: str) -> bool:
-        return req_id in self.engine.requests
-
-    def abort(self, req_id: str) -> None:
-        self.engine.abort(req_id)
-
-    def reset_offload_cache(self) -> None:
-        self.engine.reset_offload_cache()
-
-    def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
-
-    def held_copies(self) -> list[tuple[int, int]]:
-        return sorted((job_id, rank) for rank, b in enumerate(self.backends) for job_id in b.held_ids)
-
-    def complete_copy(self, job_id: int, rank: int, ok: bool) -> None:
-        self.backends[rank].complete(job_id, ok)
-
-    def copies_in_flight(self) -> dict[int, set[int]]:
-        out: dict[int, set[int]] = {}
-        for rank, b in enumerate(self.backends):
-            for job_id in b.in_flight_ids():
-                out.setdefault(job_id, set()).add(rank)
-        return out
-
-    def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]:
-        return self.engine.workers[rank].unlaunched_store_ids
-
-    def load_mismatches(self) -> int:
-        return self.engine.integrity.mismatches
-
     def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
         for rank, pool in enumerate(self.pools):
@@ -193,10 +135,6 @@ class EngineHarness(SystemHarness):
                             "copied it"
                         )
         return out
-
-    def shutdown(self, timeout: float | None) -> None:
-        if self.engine.state is not EngineState.STOPPED:
-            self.engine.shutdown(timeout)
 
     def close(self) -> None:
         for b in self.backends:
