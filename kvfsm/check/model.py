@@ -47,8 +47,10 @@ from kvfsm.machines import engine_machine, job_machine, request_machine, slot_ma
 from kvfsm.states import (
     EngineEvent,
     EngineState,
+    JobEffect,
     JobEvent,
     JobState,
+    RequestEffect,
     RequestEvent,
     RequestState,
     SlotEvent,
@@ -389,9 +391,9 @@ class Model:
         self.fenced_jobs: Callable[..., set[int]] = scheduler_mod.fenced_jobs
         self.stale_threshold_after_reset: Callable[[int, int], int] = scheduler_mod.stale_threshold_after_reset
         self.is_evictable: Callable[[SlotState], bool] = cpu_mod.is_evictable
-        self._memo_job: dict[tuple[Any, ...], tuple[JobState, str | None] | InvalidTransition] = {}
+        self._memo_job: dict[tuple[Any, ...], tuple[JobState, JobEffect | None] | InvalidTransition] = {}
         self._memo_slot: dict[tuple[int, SlotEvent], int | InvalidTransition] = {}
-        self._memo_req: dict[tuple[Any, ...], tuple[RequestState, str | None] | InvalidTransition] = {}
+        self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
         self.last_kept: tuple[list[int], list[int]] | None = None
@@ -401,7 +403,7 @@ class Model:
 
     def job_event(
         self, state: JobState, pending: int, failed: int, mask: int, event: JobEvent, arg: int
-    ) -> tuple[JobState, str | None]:
+    ) -> tuple[JobState, JobEffect | None]:
         key = (state, pending, failed, mask, event, arg)
         r = self._memo_job.get(key)
         if r is None:
@@ -439,7 +441,9 @@ class Model:
             raise ModelViolation(invariant or _MACHINE_INVARIANT["slot"], str(r))
         return r
 
-    def req_event(self, phase: RequestState, event: RequestEvent, has_jobs: bool) -> tuple[RequestState, str | None]:
+    def req_event(
+        self, phase: RequestState, event: RequestEvent, has_jobs: bool
+    ) -> tuple[RequestState, RequestEffect | None]:
         key = (phase, event, has_jobs)
         r = self._memo_req.get(key)
         if r is None:
@@ -761,7 +765,7 @@ class Model:
 
     # -- the engine step
 
-    def _fire_req(self, w: _World, i: int, event: RequestEvent) -> str | None:
+    def _fire_req(self, w: _World, i: int, event: RequestEvent) -> RequestEffect | None:
         r = w.reqs[i]
         has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
         r[_R_PHASE], effect = self.req_event(r[_R_PHASE], event, has_jobs)
@@ -868,7 +872,7 @@ class Model:
         mask = _mask(job[_J_SHARDS])
         state, effect = self.job_event(job[_J_STATE], job[_J_PENDING], job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
         job[_J_STATE] = state
-        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect == "start_copy" else REPORTED)
+        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is JobEffect.START_COPY else REPORTED)
 
     def _fences(self, w: _World) -> dict[int, set[int]]:
         """The fence index by GPU group: uncommitted stores of finished requests."""
@@ -963,13 +967,13 @@ class Model:
             job[_J_PENDING] -= count
             self._job_finished(w, j, effect)
 
-    def _job_finished(self, w: _World, j: int, effect: str | None) -> None:
+    def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
         if effect is None:
             return
         job = w.jobs[j]
         i = job[_J_REQ]
-        ok = effect == "commit"
+        ok = effect is JobEffect.COMMIT
         if job[_J_KIND] == STORE:
             self._complete_store(w, job[_J_KEYS], ok)
         else:

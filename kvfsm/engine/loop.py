@@ -32,7 +32,7 @@ from kvfsm.engine.block_pool import BlockPool
 from kvfsm.engine.requests import EngineRequest, RequestStatus
 from kvfsm.errors import DuplicateRequestError, KvfsmError, UnknownRequestError
 from kvfsm.machines import engine_machine
-from kvfsm.states import EngineEvent, EngineState
+from kvfsm.states import EngineEffect, EngineEvent, EngineState
 
 __all__ = ["EngineLoop", "IntegrityStats", "KVMemory", "StepRecord", "partial_block_key"]
 
@@ -487,7 +487,7 @@ class EngineLoop:
         for req_id in [r.req_id for r in (*self.waiting, *self.running)]:
             self.abort(req_id)
         effect = self._machine.fire(self, EngineEvent.SHUTDOWN)
-        if effect == "flush_all":
+        if effect is EngineEffect.FLUSH_ALL:
             self._flush_all(end, max_rounds, report)
         self._machine.fire(self, EngineEvent.STOP)
         self._stop_parts(end, report)

@@ -2,7 +2,7 @@
 
 :class:`ControlPlaneStateMachine` runs the rules and checks of :mod:`kvfsm.testing.system` on the real
 :class:`~kvfsm.control.scheduler.OffloadingScheduler`, CPU manager, tiering manager and
-:class:`~kvfsm.control.memory_tier.InMemoryTier`, the engine machine and the GPU
+:class:`~kvfsm.tiers.memory.InMemoryTier`, the engine machine and the GPU
 :class:`~kvfsm.engine.block_pool.BlockPool`, driven by :class:`TagEngine`: the reference engine's own loop
 (:class:`~kvfsm.engine.loop.EngineLoop`) over *tags* instead of tensors. Every GPU block and CPU sub-slot
 of every rank holds a tag, the hash of the content the forward wrote there; a copy moves tags. So the data

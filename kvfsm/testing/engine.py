@@ -2,7 +2,7 @@
 
 Needs the ``torch`` extra. :class:`EngineStateMachine` runs the rules and checks of
 :mod:`kvfsm.testing.system` on a :class:`~kvfsm.engine.core.ReferenceEngine`: the scheduler half, the CPU
-primary (optionally in front of an :class:`~kvfsm.control.memory_tier.InMemoryTier` that copies real slot
+primary (optionally in front of an :class:`~kvfsm.tiers.memory.InMemoryTier` that copies real slot
 bytes), and ``W`` workers whose :class:`~kvfsm.data.backend.ThreadPoolCopyBackend` copies run real torch
 gathers and scatters. Each backend is wrapped in a :class:`~kvfsm.testing.backend.ManualCopyBackend`, so a
 copy runs only when a rule completes it (waiting on its real future) or when a step blocks on it.
