@@ -18,7 +18,7 @@ from kvfsm.errors import (
     UnknownJobError,
     UnknownRequestError,
 )
-from kvfsm.states import (
+from kvfsm.machines.names import (
     EngineEffect,
     EngineEvent,
     EngineState,

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from typing_extensions import override
+
 __all__ = ["OneLineParser", "build_parser", "int_in", "main", "plain_doc"]
 
 _SECTIONS = ("drain", "control", "lifecycle", "transfers", "verification")
@@ -34,6 +36,7 @@ _EXTRAS = {
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line on stderr (and exit status 2)."""
 
+    @override
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
 
@@ -83,7 +86,7 @@ def int_in(lo: int, hi: int) -> Callable[[str], int]:
 
 
 def _cmd_spec(_: argparse.Namespace) -> int:
-    from kvfsm.spec_loader import MACHINE_NAMES, load_invariants, load_machine
+    from kvfsm.machines.loader import MACHINE_NAMES, load_invariants, load_machine
 
     for name in MACHINE_NAMES:
         m = load_machine(name)
@@ -110,7 +113,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvfsm.bench import run_bench
+    from kvfsm.bench.suite import run_bench
 
     return run_bench(
         quick=args.quick,
@@ -145,7 +148,7 @@ def _check_trace(path: str, as_json: bool) -> int:
     """``kvfsm check --trace FILE``: is a recorded NDJSON trace a valid behaviour of the spec?"""
     import json
 
-    from kvfsm.trace import verify_trace_file
+    from kvfsm.observe.trace import verify_trace_file
 
     report = verify_trace_file(path)  # TraceError (exit 2) if it cannot be read or holds no transition
     if as_json:
@@ -158,7 +161,7 @@ def _check_trace(path: str, as_json: bool) -> int:
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
-    from kvfsm.diagrams import run
+    from kvfsm.observe.diagrams import run
 
     return run(args)
 
@@ -195,7 +198,7 @@ def build_parser() -> OneLineParser:
     )
     p.set_defaults(func=_cmd_demo)
 
-    p = add("bench", "drain, control-plane, lifecycle, transfer and verification benchmarks", "kvfsm.bench")
+    p = add("bench", "drain, control-plane, lifecycle, transfer and verification benchmarks", "kvfsm.bench.suite")
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (under a minute; CI smoke)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
@@ -234,8 +237,8 @@ def build_parser() -> OneLineParser:
     )
     p.set_defaults(func=_cmd_check)
 
-    p = add("diagram", "Mermaid diagrams of the spec machines", "kvfsm.diagrams")
-    from kvfsm.diagrams import add_arguments as add_diagram_arguments
+    p = add("diagram", "Mermaid diagrams of the spec machines", "kvfsm.observe.diagrams")
+    from kvfsm.observe.diagrams import add_arguments as add_diagram_arguments
 
     add_diagram_arguments(p)
     p.set_defaults(func=_cmd_diagram)

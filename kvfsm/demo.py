@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfsm.bench_drain import (
+from kvfsm.bench.drain import (
     DrainResult,
     _BenchEngine,
     _blocks_for,
@@ -31,15 +31,15 @@ from kvfsm.bench_drain import (
     compress_timeline,
     measure_drain,
 )
+from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.control.config import DrainMode
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.engine.core import EngineConfig, ReferenceEngine, StepRecord
-from kvfsm.invariants import SystemView, check_all
-from kvfsm.states import EngineState
+from kvfsm.machines.names import EngineState
 from kvfsm.validation import require_output_file
 
 if TYPE_CHECKING:
-    from kvfsm.trace import TraceRecorder
+    from kvfsm.observe.trace import TraceRecorder
 
 __all__ = ["DrainResult", "compress_timeline", "describe_drain_steps", "measure_drain", "run_demo", "run_workload"]
 
@@ -88,18 +88,18 @@ def run_demo(quick: bool = False, trace: str | Path | None = None, plot: str | P
         require_output_file("trace file", trace)
     if plot is not None:
         require_output_file("plot file", plot)
-        from kvfsm.timeline import require_matplotlib
+        from kvfsm.observe.timeline import require_matplotlib
 
         require_matplotlib()
     with ExitStack() as stack:
         recorder = None
         if trace is not None:
-            from kvfsm.trace import TraceRecorder
+            from kvfsm.observe.trace import TraceRecorder
 
             recorder = stack.enter_context(TraceRecorder(trace))
         ok = _run_demo(quick, recorder, plot)
     if recorder is not None and trace is not None:
-        from kvfsm.trace import verify_trace_file
+        from kvfsm.observe.trace import verify_trace_file
 
         report = verify_trace_file(trace)
         print(f"\ntrace: {recorder.records} transitions written to {trace}")
@@ -180,7 +180,7 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
         f"B waited {ratio:.1f}x longer"
     )
     if plot is not None:
-        from kvfsm.timeline import plot_timeline
+        from kvfsm.observe.timeline import plot_timeline
 
         records = list(engine.timeline)
         markers = _turn_markers(records)

@@ -6,6 +6,8 @@ every machine exactly as it was: callers validate before they fire any transitio
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 __all__ = [
     "AckCountError",
     "ConfigError",
@@ -49,6 +51,7 @@ class InvalidTransition(KvfsmError):
 class UnknownJobError(KvfsmError, KeyError):
     """A job id at or above the stale threshold that the scheduler never issued or already retired."""
 
+    @override
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown job"
 
@@ -68,6 +71,7 @@ class DuplicateRequestError(KvfsmError, ValueError):
 class UnknownRequestError(KvfsmError, KeyError):
     """A request id the component does not track."""
 
+    @override
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown request"
 

@@ -1,6 +1,6 @@
 """Steps per second of the control-plane stateful machine (ControlPlaneStateMachine).
 
-Runs the machine under a fixed, derandomized Hypothesis profile (kvfsm.bench_verify._count_steps: a
+Runs the machine under a fixed, derandomized Hypothesis profile (kvfsm.bench.verify._count_steps: a
 fixed seed, no database, no shrinking) for a fixed number of examples and steps, three times, and prints
 the median steps per second. Usage: ``python scripts/control_steps_per_s.py [examples] [steps]``.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from kvfsm.bench_verify import _count_steps
+from kvfsm.bench.verify import _count_steps
 from kvfsm.testing.control import ControlPlaneStateMachine
 
 

@@ -93,12 +93,12 @@ step cuda-tests 150 "$OUT/cuda_tests.txt" "$PY" -m pytest -q -rs -p no:cacheprov
 # ------------------------------------------------------------------------------------------ benchmark
 BENCH_ARGS=(--json "$OUT/bench.json")
 [[ $QUICK -eq 1 ]] && BENCH_ARGS+=(--quick)
-step bench 120 "$OUT/bench.txt" "$PY" -m kvfsm.data.bench_transfers "${BENCH_ARGS[@]}"
+step bench 120 "$OUT/bench.txt" "$PY" -m kvfsm.bench.transfers "${BENCH_ARGS[@]}"
 
 # ------------------------------------------------------------------------------------------ zero-copy kernel path
 step kernel-tests 60 "$OUT/kernel_tests.txt" env KVFSM_CUDA_KERNEL_COPY=1 "$PY" -m pytest -q -rs \
     -p no:cacheprovider tests/test_backend_conformance.py tests/test_cuda_ordering.py -k "kernel or auto"
-step bench-kernel 60 "$OUT/bench_kernel.txt" env KVFSM_CUDA_KERNEL_COPY=1 "$PY" -m kvfsm.data.bench_transfers \
+step bench-kernel 60 "$OUT/bench_kernel.txt" env KVFSM_CUDA_KERNEL_COPY=1 "$PY" -m kvfsm.bench.transfers \
     --quick --backend cuda
 
 # ------------------------------------------------------------------------------------------ calibration

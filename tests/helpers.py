@@ -359,7 +359,7 @@ def check_cpu_copies(ge: GatedEngine, block_hashes: Sequence[bytes]) -> int:
     import torch
 
     from kvfsm.data.layout import head_shard
-    from kvfsm.states import SlotState
+    from kvfsm.machines.names import SlotState
 
     engine = ge.engine
     manager = cpu_manager(engine)

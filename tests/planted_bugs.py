@@ -2,7 +2,7 @@
 
 Each ``plant_<name>(monkeypatch)`` is a context manager that swaps one pure decision of the
 implementation for a wrong one while it is open: module functions through ``monkeypatch``, job-machine
-guards through the public :meth:`kvfsm.fsm.SpecMachine.planted`. Both are undone when the block ends
+guards through the public :meth:`kvfsm.machines.compiled.SpecMachine.planted`. Both are undone when the block ends
 (and monkeypatch again when the test ends): nothing buggy is ever left in the code. The decisions are the
 functions that both the real system and the model checker (:mod:`kvfsm.check`) call, so a bug planted
 here is seen by both, and by the Hypothesis stateful machine too.
@@ -30,9 +30,9 @@ import pytest
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
-from kvfsm.fsm import Guard
 from kvfsm.machines import job_machine
-from kvfsm.states import SlotState
+from kvfsm.machines.compiled import Guard
+from kvfsm.machines.names import SlotState
 
 __all__ = [
     "PLANTED_BUGS",

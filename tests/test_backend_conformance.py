@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from typing_extensions import override
 
 pytest.importorskip("torch")
 
@@ -38,7 +39,7 @@ from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice
 from kvfsm.data.cuda.backend import _segments
 from kvfsm.data.plan import Registration, contiguous_start, runs
 from kvfsm.errors import ConfigError
-from kvfsm.states import JobKind, JobState
+from kvfsm.machines.names import JobKind, JobState
 from kvfsm.testing.backend import CopyBackendStateMachine
 
 HAS_CUDA = torch.cuda.is_available()
@@ -54,6 +55,7 @@ class Kind:
     def device(self) -> str:
         return "cuda" if self.backend == "cuda" else "cpu"
 
+    @override
     def __str__(self) -> str:
         return f"{self.backend}-{self.path}"
 
@@ -747,6 +749,7 @@ class _SettledCpuBackend(ThreadPoolCopyBackend):
     """The CPU backend with each copy finished before ``submit`` returns: the state machine's rules then see the
     same polls on every replay (thread timing would make Hypothesis's replays diverge)."""
 
+    @override
     def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
         future = super().submit(job_id, is_store, gpu, slots)
         future.exception()  # waits; the outcome is still reported by poll
@@ -756,6 +759,7 @@ class _SettledCpuBackend(ThreadPoolCopyBackend):
 class _CpuMachine(CopyBackendStateMachine):
     device = "cpu"
 
+    @override
     def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
         return _SettledCpuBackend(kv_caches, pool, blocks_per_chunk, copy_path="runs")
 
@@ -763,6 +767,7 @@ class _CpuMachine(CopyBackendStateMachine):
 class _EmulatedCudaMachine(CopyBackendStateMachine):
     device = "cpu"
 
+    @override
     def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
         return CudaCopyBackend(
             kv_caches, pool, blocks_per_chunk, copy_path="dma", staging_bytes=64, device_api=EmulatedDevice()
@@ -772,6 +777,7 @@ class _EmulatedCudaMachine(CopyBackendStateMachine):
 class _SettledCudaBackend(CudaCopyBackend):
     """The CUDA backend with each copy finished before ``submit`` returns (deterministic polls, as above)."""
 
+    @override
     def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
         future = super().submit(job_id, is_store, gpu, slots)
         self.wait([job_id])
@@ -781,6 +787,7 @@ class _SettledCudaBackend(CudaCopyBackend):
 class _CudaMachine(CopyBackendStateMachine):
     device = "cuda"
 
+    @override
     def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
         return _SettledCudaBackend(kv_caches, pool, blocks_per_chunk, copy_path="dma")
 
@@ -798,7 +805,7 @@ TestCudaBackendMachine.settings = _MACHINE_SETTINGS
 
 
 def test_transfer_bench_smoke() -> None:
-    from kvfsm.data.bench_transfers import format_table, run_transfer_bench
+    from kvfsm.bench.transfers import format_table, run_transfer_bench
 
     rows = run_transfer_bench(True, backends=["cpu"], sizes=(16 << 10, 64 << 10), repeats=1, total_bytes=1 << 19)
     assert [(r["direction"], r["block_bytes"]) for r in rows] == [

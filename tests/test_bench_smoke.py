@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvfsm.bench import SECTIONS, format_table, run_bench
-from kvfsm.bench_control import OPERATIONS, replay, scheduler_step_cost
-from kvfsm.bench_progress import Progress
-from kvfsm.cli import main
-from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.workload import (
+from kvfsm.bench.control import OPERATIONS, replay, scheduler_step_cost
+from kvfsm.bench.suite import SECTIONS, format_table, run_bench
+from kvfsm.bench.workload import (
     WorkloadConfig,
     WorkloadError,
     generate_trace,
@@ -23,6 +20,9 @@ from kvfsm.workload import (
     trace_stats,
     write_jsonl,
 )
+from kvfsm.cli import main
+from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.observe.progress import Progress
 
 SMALL = WorkloadConfig(distinct_blocks=3000, num_prefixes=32, seed=7)
 
@@ -125,7 +125,7 @@ def test_scheduler_step_cost_plans_the_expected_jobs(kind: str) -> None:
 
 def test_drain_rounds_schedule_the_new_request_after_one_step() -> None:
     pytest.importorskip("torch")
-    from kvfsm.bench_drain import measure_drain_rounds
+    from kvfsm.bench.drain import measure_drain_rounds
     from kvfsm.control.config import DrainMode
 
     (nb,) = measure_drain_rounds(DrainMode.NONBLOCKING, 1, repeats=1)
@@ -201,8 +201,8 @@ def test_bench_tables_for_one_section_and_a_jsonl_workload(tmp_path: Path, capsy
 def test_timeline_runs_and_picture(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from kvfsm.engine.core import StepRecord
-    from kvfsm.states import EngineState
-    from kvfsm.timeline import plot_timeline, state_runs
+    from kvfsm.machines.names import EngineState
+    from kvfsm.observe.timeline import plot_timeline, state_runs
 
     states = [EngineState.RUNNING] * 3 + [EngineState.FINISHING, EngineState.DRAINING, EngineState.DRAINING]
     states += [EngineState.IDLE, EngineState.RUNNING]

@@ -14,8 +14,8 @@ from kvfsm.check.bfs import describe_state, stable_trace
 from kvfsm.check.model import CHECKED_INVARIANTS, State
 from kvfsm.cli import main
 from kvfsm.errors import ConfigError
-from kvfsm.spec_loader import load_invariants
-from kvfsm.states import EngineState
+from kvfsm.machines.loader import load_invariants
+from kvfsm.machines.names import EngineState
 
 #: Small bounds that still have W = 2, a tier, a reset and a preemption: a few thousand states.
 SMALL = Bounds(requests=2, prompts=1, chunks=1, workers=2, slots=1, groups=1, tiers=1, resets=1, preemptions=1)

@@ -174,7 +174,7 @@ def test_a_missing_extra_is_one_line_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``pip install kvfsm`` without the torch extra, then ``kvfsm demo``."""
-    for name in [m for m in sys.modules if m == "kvfsm.demo" or m.startswith(("kvfsm.engine", "kvfsm.bench_drain"))]:
+    for name in [m for m in sys.modules if m == "kvfsm.demo" or m.startswith(("kvfsm.engine", "kvfsm.bench.drain"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "torch", None)
     assert main(["demo", "--quick"]) == 2

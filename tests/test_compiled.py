@@ -1,6 +1,6 @@
 """The compiled tables equal the transitions Machines they are compiled from.
 
-``kvfsm.fsm`` runs every transition through a ``dict[(state, event)] -> edges`` table compiled from a
+``kvfsm.machines.compiled`` runs every transition through a ``dict[(state, event)] -> edges`` table compiled from a
 model-less ``transitions.Machine`` (spec/README.md, "The compiled table and checked mode"). This file is
 the proof that the shortcut is sound:
 
@@ -25,9 +25,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvfsm.fsm
+import kvfsm.machines.compiled
 from kvfsm.errors import InvalidTransition, SpecError
-from kvfsm.fsm import (
+from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
+from kvfsm.machines.compiled import (
     CompiledEdge,
     SpecMachine,
     build_transitions_machine,
@@ -36,9 +37,8 @@ from kvfsm.fsm import (
     evaluate_table,
     evaluate_transitions,
 )
-from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
-from kvfsm.spec_loader import MACHINE_NAMES, load_machine
-from kvfsm.states import (
+from kvfsm.machines.loader import MACHINE_NAMES, load_machine
+from kvfsm.machines.names import (
     EngineEffect,
     EngineEvent,
     EngineState,
@@ -216,7 +216,7 @@ def test_checked_slot_machine_agrees_with_compiled_path(steps: list[SlotEvent]) 
 
 def _count_transitions_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    real = kvfsm.fsm.evaluate_transitions
+    real = kvfsm.machines.compiled.evaluate_transitions
 
     def spy(
         machine: Any, effects: frozenset[str], state: str, event: str, guard: Callable[[str], bool]
@@ -224,7 +224,7 @@ def _count_transitions_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append(event)
         return real(machine, effects, state, event, guard)
 
-    monkeypatch.setattr(kvfsm.fsm, "evaluate_transitions", spy)
+    monkeypatch.setattr(kvfsm.machines.compiled, "evaluate_transitions", spy)
     return calls
 
 
@@ -351,7 +351,7 @@ def test_guards_mapping_is_read_only() -> None:
 
 
 def test_tampered_compile_step_is_caught_in_checked_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = kvfsm.fsm.compile_table
+    real = kvfsm.machines.compiled.compile_table
 
     def tampered(machine: Any) -> dict[tuple[str, str], tuple[CompiledEdge, ...]]:
         table = real(machine)
@@ -361,7 +361,7 @@ def test_tampered_compile_step_is_caught_in_checked_mode(monkeypatch: pytest.Mon
         )
         return table
 
-    monkeypatch.setattr(kvfsm.fsm, "compile_table", tampered)
+    monkeypatch.setattr(kvfsm.machines.compiled, "compile_table", tampered)
     checked = _fresh_job_machine(True)
     job = JobModel(state=JobState.IN_FLIGHT, pending=1)
     with pytest.raises(SpecError):

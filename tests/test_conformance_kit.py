@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from typing_extensions import override
 
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
 from kvfsm.testing import SecondaryTierStateMachine
@@ -55,13 +56,16 @@ def _finds_defect(machine: type[RuleBasedStateMachine], match: str, max_examples
 class InMemoryTierMachine(SecondaryTierStateMachine):
     """kvfsm's InMemoryTier, with the test deciding when each job finishes and whether it fails."""
 
+    @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
         return InMemoryTier("mem", capacity=4, slot_io=slot_io)
 
+    @override
     def pending_jobs(self, tier: SecondaryTier) -> Sequence[int] | None:
         assert isinstance(tier, InMemoryTier)
         return tier.pending_job_ids()
 
+    @override
     def complete(self, tier: SecondaryTier, job_id: int, success: bool) -> None:
         assert isinstance(tier, InMemoryTier)
         tier.complete(job_id, success)
@@ -70,6 +74,7 @@ class InMemoryTierMachine(SecondaryTierStateMachine):
 class AutocompleteInMemoryTierMachine(SecondaryTierStateMachine):
     """The same tier finishing every job at its next poll, on its own."""
 
+    @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
         return InMemoryTier("mem", capacity=3, autocomplete=True, slot_io=slot_io)
 
@@ -83,6 +88,7 @@ TestAutocompleteInMemoryTier.settings = _profile()
 class _WrongBytesTier(InMemoryTier):
     """Bit rot: a promotion writes the stored bytes with the first one flipped."""
 
+    @override
     def _load(self, job: TierJob) -> bool:
         io = self.slot_io
         assert io is not None
@@ -102,6 +108,7 @@ class _ReportsTwiceTier(InMemoryTier):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._again: list[JobResult] = []
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         fresh = list(super().get_finished_jobs())
         out, self._again = self._again + fresh, fresh
@@ -111,6 +118,7 @@ class _ReportsTwiceTier(InMemoryTier):
 class _ForgetfulTier(InMemoryTier):
     """drain_jobs returns before finishing anything."""
 
+    @override
     def drain_jobs(self) -> None:
         return
 
@@ -118,6 +126,7 @@ class _ForgetfulTier(InMemoryTier):
 class _BrokenTierMachine(InMemoryTierMachine):
     tier_class: type[InMemoryTier] = InMemoryTier
 
+    @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
         return self.tier_class("broken", capacity=4, slot_io=slot_io)
 
@@ -155,12 +164,14 @@ def test_copy_backends_pass_the_backend_kit() -> None:
     class ThreadPoolMachine(CopyBackendStateMachine):
         device = "cpu"
 
+        @override
         def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
             return ThreadPoolCopyBackend(kv_caches, pool, blocks_per_chunk, max_workers=2)
 
     class ManualMachine(CopyBackendStateMachine):
         device = "cpu"
 
+        @override
         def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
             return ManualCopyBackend(ThreadPoolCopyBackend(kv_caches, pool, blocks_per_chunk, max_workers=1))
 
@@ -180,6 +191,7 @@ def test_the_backend_kit_finds_a_broken_backend() -> None:
     class OffByOne(ThreadPoolCopyBackend):
         """Swaps the first two blocks of every multi-block store (each lands in the other's slot row)."""
 
+        @override
         def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
             if is_store and len(gpu.block_ids) > 1:
                 b = gpu.block_ids
@@ -189,6 +201,7 @@ def test_the_backend_kit_finds_a_broken_backend() -> None:
     class BrokenMachine(CopyBackendStateMachine):
         device = "cpu"
 
+        @override
         def make_backend(self, kv_caches: list[torch.Tensor], pool: CPUSlotPool, blocks_per_chunk: int) -> CopyBackend:
             return OffByOne(kv_caches, pool, blocks_per_chunk, max_workers=1)
 

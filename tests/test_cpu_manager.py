@@ -19,9 +19,9 @@ from kvfsm.control.types import (
     make_offload_key,
 )
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEffect, SlotEvent, SlotState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 
 CTX = ReqContext("r1")
 A, W, R, RD = SlotState.ABSENT, SlotState.WRITING, SlotState.READY, SlotState.READING

@@ -56,7 +56,7 @@ import threading
 
 import kvfsm.tiers.blockfile as blockfile
 from kvfsm.control.manager import TierJob
-from kvfsm.faults import FaultKind, FaultPlan, FaultRule
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.tiers.fs import FileSystemTier
 from kvfsm.tiers.slotio import DictSlotIO
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from typing_extensions import override
 
 pytest.importorskip("torch")
 
@@ -39,7 +40,7 @@ from kvfsm.data import (
 )
 from kvfsm.data.plan import JobPlan
 from kvfsm.errors import ConfigError, InvalidTransition, KvfsmError
-from kvfsm.states import JobKind, JobState
+from kvfsm.machines.names import JobKind, JobState
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUM_HEADS = 4  # divisible by every world size tested
@@ -363,6 +364,7 @@ def test_copies_are_batched_per_layer_group() -> None:
             super().__init__()
             self.counts: dict[str, int] = {}
 
+        @override
         def __torch_function__(
             self,
             func: Callable[..., Any],

@@ -11,13 +11,13 @@ from tier_support import GUARD_S
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import DeadlineQueue, Deadlines, ManualClock
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.tiering import BackpressureConfig, CascadeBackpressure, TieringManager
 from kvfsm.control.types import LookupResult, OffloadKey, ReqContext, make_offload_key
-from kvfsm.deadlines import DeadlineQueue, Deadlines, ManualClock
 from kvfsm.errors import AckCountError, ConfigError, UnknownJobError
-from kvfsm.states import JobKind, JobState, RequestState, SlotState
+from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
 from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4
@@ -408,7 +408,7 @@ def test_engine_moves_on_from_a_hung_load_and_quarantines_its_gpu_blocks() -> No
     pytest.importorskip("torch")
     from kvfsm.data.backend import ThreadPoolCopyBackend
     from kvfsm.engine.core import ReferenceEngine
-    from kvfsm.faults import FaultKind, FaultPlan, FaultRule, FaultyCopyBackend
+    from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule, FaultyCopyBackend
 
     clock = ManualClock()
     plan = FaultPlan([FaultRule("transfer.load", FaultKind.HANG, times=1)])

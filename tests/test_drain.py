@@ -15,7 +15,7 @@ from helpers import GatedEngine, StepInThread, check_cpu_copies, engine_config, 
 from kvfsm.control.config import DrainMode
 from kvfsm.control.types import LookupResult, OffloadKey, ReqContext
 from kvfsm.engine.requests import EngineRequest
-from kvfsm.states import EngineState, JobKind, JobState
+from kvfsm.machines.names import EngineState, JobKind, JobState
 
 CTX = ReqContext("probe")
 

@@ -30,7 +30,7 @@ from kvfsm.control.types import LookupResult, ReqContext
 from kvfsm.engine.core import EngineConfig, ReferenceEngine, StepRecord
 from kvfsm.engine.requests import EngineRequest, RequestStatus
 from kvfsm.errors import ConfigError, DuplicateRequestError
-from kvfsm.states import EngineState, JobKind, RequestState, SlotState
+from kvfsm.machines.names import EngineState, JobKind, RequestState, SlotState
 
 CTX = ReqContext("probe")
 

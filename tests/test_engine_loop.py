@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
+from kvfsm.control.deadlines import ManualClock
 from kvfsm.control.decisions import settle_event
 from kvfsm.control.scheduler import OffloadRequest
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.control.worker import HeldCopyBackend
-from kvfsm.deadlines import ManualClock
 from kvfsm.errors import KvfsmError
-from kvfsm.states import EngineEvent, EngineState
+from kvfsm.machines.names import EngineEvent, EngineState
 from kvfsm.testing.control import TagEngine
 from kvfsm.testing.system import SystemConfig
 

@@ -15,9 +15,9 @@ from tier_support import GUARD_S, MISS, PENDING, R1, block_files, fs_rig, k, pay
 
 from kvfsm.control.types import OffloadingEvent
 from kvfsm.errors import ConfigError
-from kvfsm.faults import OPERATIONS, FaultKind, FaultPlan, FaultRule, InjectedFault
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
 from kvfsm.tiers.blockfile import key_name
+from kvfsm.tiers.faults import OPERATIONS, FaultKind, FaultPlan, FaultRule, InjectedFault
 
 # ---------------------------------------------------------------------------------------------- the plan
 
@@ -263,7 +263,7 @@ def test_random_faults_on_every_file_operation_never_serve_bad_bytes(tmp_path: P
 def test_failed_gpu_transfers_are_typed_failures_in_the_engine() -> None:
     pytest.importorskip("torch")
     from kvfsm.engine.core import ReferenceEngine
-    from kvfsm.faults import FaultyCopyBackend
+    from kvfsm.tiers.faults import FaultyCopyBackend
 
     plan = FaultPlan(
         [FaultRule("transfer.store", FaultKind.EIO, probability=0.3), FaultRule("transfer.load", FaultKind.EIO)],
@@ -305,7 +305,7 @@ def test_tiers_faults_and_deadlines_import_without_torch() -> None:
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import kvfsm.tiers, kvfsm.tiers.fs, kvfsm.faults, kvfsm.deadlines, kvfsm.control.tiering\n"
+        "import kvfsm.tiers, kvfsm.tiers.fs, kvfsm.tiers.faults, kvfsm.control.deadlines, kvfsm.control.tiering\n"
         "assert 'torch' not in {k for k, v in sys.modules.items() if v is not None}\n"
         "print('ok')\n"
     )

@@ -26,9 +26,9 @@ from tier_support import (
 from kvfsm.control.manager import JobResult, TierJob
 from kvfsm.control.types import OffloadingEvent
 from kvfsm.errors import ConfigError, DuplicateJobError, KvfsmError
-from kvfsm.faults import FaultKind, FaultPlan, FaultRule
-from kvfsm.states import JobState, SlotState
+from kvfsm.machines.names import JobState, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, decode, encode, key_name
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.tiers.fs import FileSystemTier, ScanState
 from kvfsm.tiers.lookup import AsyncLookup, LookupPhase
 from kvfsm.tiers.pool import DualQueuePool

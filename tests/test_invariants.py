@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from kvfsm.check.invariants import CHECKERS, SystemView, check_all
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import ReqContext
-from kvfsm.invariants import CHECKERS, SystemView, check_all
-from kvfsm.spec_loader import load_invariants
-from kvfsm.states import EngineState
+from kvfsm.machines.loader import load_invariants
+from kvfsm.machines.names import EngineState
 
 
 class _Req:

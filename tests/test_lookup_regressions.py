@@ -6,11 +6,11 @@ from helpers import FakeRequest, keys_of, tokens
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines, ManualClock
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import OffloadKey, ReqContext
-from kvfsm.deadlines import Deadlines, ManualClock
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
 from kvfsm.tiers.memory import InMemoryTier
 
 TPB = 4

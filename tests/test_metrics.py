@@ -17,9 +17,9 @@ from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, SlotSpec, make_offload_key
 from kvfsm.errors import ConfigError
-from kvfsm.fsm import add_tracer, remove_tracer, set_tracer
-from kvfsm.metrics import KvfsmMetrics, MetricsUnavailable
-from kvfsm.states import JobKind, JobState
+from kvfsm.machines.compiled import add_tracer, remove_tracer, set_tracer
+from kvfsm.machines.names import JobKind, JobState
+from kvfsm.observe.metrics import KvfsmMetrics, MetricsUnavailable
 from kvfsm.testing.coverage import TransitionLog
 
 BYTES_PER_BLOCK = 1_000_000
@@ -145,7 +145,7 @@ def test_stuck_detector_warns_once_per_job_and_state(
     clock.advance(6.0)
     young.launch(0)
     clock.advance(5.0)  # old: 11 s in flight, young: 5 s
-    with caplog.at_level(logging.WARNING, logger="kvfsm.metrics"):
+    with caplog.at_level(logging.WARNING, logger="kvfsm.observe.metrics"):
         stuck = metrics.check_stuck()
         assert [(s.job_id, s.state, s.age) for s in stuck] == [(0, "in_flight", 11.0)]
         assert len(caplog.records) == 1 and "store job 0" in caplog.records[0].getMessage()
@@ -289,7 +289,7 @@ def test_prometheus_is_optional(metrics: KvfsmMetrics, monkeypatch: pytest.Monke
 def test_importing_kvfsm_metrics_does_not_import_prometheus() -> None:
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"
-        "import kvfsm.metrics, kvfsm.trace, kvfsm.workload, kvfsm.bench_control\n"
+        "import kvfsm.observe.metrics, kvfsm.observe.trace, kvfsm.bench.workload, kvfsm.bench.control\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

@@ -16,7 +16,7 @@ from kvfsm.check.model import State
 from kvfsm.check.replay import Harness, ReplayReport, abstract, disabled_events, probe_state, replay_edges
 from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, SchedulerOutput
-from kvfsm.states import SlotEvent
+from kvfsm.machines.names import SlotEvent
 
 #: W = 2 with a tier, a reset and a preemption; and two prompts of two chunks with eviction (LRU order).
 CI_BOUNDS = {

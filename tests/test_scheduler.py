@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers import FakeRequest, LoopbackWorkers, keys_of, tokens
+from typing_extensions import override
 
 from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
@@ -36,7 +37,7 @@ from kvfsm.errors import (
     KeyNotReadyError,
     UnknownJobError,
 )
-from kvfsm.states import JobKind, JobState, RequestState, SlotState
+from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
 
 TPB = 4  # tokens per block
 CTX = ReqContext("probe")
@@ -415,41 +416,53 @@ def test_reset_cache_makes_in_flight_jobs_stale() -> None:
 
 
 class _MinimalManager(OffloadingManager):
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.MISS
 
+    @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         return SlotSpec(())
 
+    @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
         pass
 
+    @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
         return None
 
+    @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
         pass
 
+    @override
     def take_events(self) -> list[OffloadingEvent]:
         return []
 
+    @override
     def reset_cache(self) -> None:
         pass
 
 
 class _MinimalTier(SecondaryTier):
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.MISS
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         pass
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         pass
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         return []
 
+    @override
     def drain_jobs(self) -> None:
         pass
 

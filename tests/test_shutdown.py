@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 from helpers import engine_config, keys_of, tokens
 from tier_support import GUARD_S, R1, block_files, fs_engine, fs_rig, k, run_engine
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import LookupResult, OffloadKey, ReqContext
-from kvfsm.faults import FaultKind, FaultPlan, FaultRule
-from kvfsm.states import EngineState, SlotState
+from kvfsm.machines.names import EngineState, SlotState
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 
 pytest.importorskip("torch")
 
@@ -57,7 +58,7 @@ def test_shutdown_with_a_hung_tier_returns_within_its_deadline(tmp_path: Path) -
 
 def test_shutdown_with_a_hung_copy_returns_and_leaves_only_that_thread(tmp_path: Path) -> None:
     from kvfsm.engine.core import ReferenceEngine
-    from kvfsm.faults import FaultyCopyBackend
+    from kvfsm.tiers.faults import FaultyCopyBackend
 
     plan = FaultPlan([FaultRule("transfer.store", FaultKind.HANG, times=1)])
     cfg = engine_config(num_cpu_slots=16)
@@ -129,23 +130,29 @@ class StuckTier(SecondaryTier):
         self.jobs: list[TierJob] = []
         self.shutting_down = False
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.MISS
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self.jobs.append(job)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self.jobs.append(job)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self.shutting_down:
             raise AssertionError("a tier whose shutdown did not return must not be polled")
         return []
 
+    @override
     def drain_jobs(self) -> None:
         self.release.wait(GUARD_S)
 
+    @override
     def shutdown(self) -> None:
         self.shutting_down = True
         self.release.wait(GUARD_S)

@@ -22,8 +22,8 @@ import pytest
 from tier_support import GUARD_S, HIT, FsRig, fs_rig, k, payload
 
 from kvfsm.control.types import OffloadKey
-from kvfsm.faults import FaultKind, FaultPlan, FaultRule
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 
 pytestmark = pytest.mark.soak
 

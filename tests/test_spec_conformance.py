@@ -18,20 +18,19 @@ from typing import Any
 import pytest
 
 import kvfsm
-import kvfsm.diagrams
-import kvfsm.spec_loader
-from kvfsm.diagrams import all_diagrams, main, mermaid, mermaid_for, readme_path, render_readme
+import kvfsm.machines.loader
+import kvfsm.observe.diagrams
 from kvfsm.errors import SpecError
-from kvfsm.fsm import SpecMachine, build_transitions_machine
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
-from kvfsm.spec_loader import (
+from kvfsm.machines.compiled import SpecMachine, build_transitions_machine
+from kvfsm.machines.loader import (
     MACHINE_NAMES,
     MachineSpec,
     TransitionSpec,
     load_invariants,
     load_machine,
 )
-from kvfsm.states import (
+from kvfsm.machines.names import (
     EngineEffect,
     EngineEvent,
     EngineState,
@@ -46,6 +45,7 @@ from kvfsm.states import (
     SlotEvent,
     SlotState,
 )
+from kvfsm.observe.diagrams import all_diagrams, main, mermaid, mermaid_for, readme_path, render_readme
 
 ENUMS: dict[str, tuple[type[StrEnum], type[StrEnum], type[StrEnum]]] = {
     "job": (JobState, JobEvent, JobEffect),
@@ -123,7 +123,7 @@ def test_job_kind_equals_spec_kinds() -> None:
 
 
 def test_job_terminal_constant_equals_spec() -> None:
-    from kvfsm.states import JOB_TERMINAL
+    from kvfsm.machines.names import JOB_TERMINAL
 
     assert {s.value for s in JOB_TERMINAL} == load_machine("job").terminal
 
@@ -229,7 +229,7 @@ def test_readme_has_one_marker_pair_per_machine(name: str) -> None:
 
 def test_readme_diagrams_are_up_to_date() -> None:
     text = README.read_text(encoding="utf-8")
-    assert render_readme(text) == text, "spec/README.md is stale: run python -m kvfsm.diagrams --write"
+    assert render_readme(text) == text, "spec/README.md is stale: run python -m kvfsm.observe.diagrams --write"
     for name, diagram in all_diagrams().items():
         assert f"<!-- diagram:{name}:start -->\n```mermaid\n{diagram}```\n<!-- diagram:{name}:end -->" in text
 
@@ -272,7 +272,7 @@ def test_a_changed_table_changes_the_diagram_and_fails_the_check(
     def load(name: str) -> MachineSpec:
         return modified if name == "job" else real_load(name)
 
-    monkeypatch.setattr(kvfsm.diagrams, "load_machine", load)
+    monkeypatch.setattr(kvfsm.observe.diagrams, "load_machine", load)
     text = README.read_text(encoding="utf-8")
     assert render_readme(text) != text
     assert main(["--check"]) == 1
@@ -473,13 +473,13 @@ effect = "emit"
 @pytest.fixture
 def spec_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """A temporary spec folder the loader reads instead of spec/; the caches are cleared around it."""
-    kvfsm.spec_loader.load_machine.cache_clear()
-    kvfsm.spec_loader.load_invariants.cache_clear()
-    monkeypatch.setattr(kvfsm.spec_loader, "spec_dir", lambda: tmp_path)
+    kvfsm.machines.loader.load_machine.cache_clear()
+    kvfsm.machines.loader.load_invariants.cache_clear()
+    monkeypatch.setattr(kvfsm.machines.loader, "spec_dir", lambda: tmp_path)
     yield tmp_path
     monkeypatch.undo()
-    kvfsm.spec_loader.load_machine.cache_clear()
-    kvfsm.spec_loader.load_invariants.cache_clear()
+    kvfsm.machines.loader.load_machine.cache_clear()
+    kvfsm.machines.loader.load_invariants.cache_clear()
 
 
 def test_loader_reads_a_well_formed_temp_table(spec_folder: Path) -> None:

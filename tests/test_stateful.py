@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvfsm.spec_loader import MACHINE_NAMES, load_machine
+from kvfsm.machines.loader import MACHINE_NAMES, load_machine
 from kvfsm.testing.control import ControlPlaneStateMachine
 from kvfsm.testing.coverage import SpecCoverageError, TransitionLog, covers, spec_covered, spec_events
 from kvfsm.testing.system import SYSTEM_EXEMPT

@@ -13,7 +13,7 @@ copies. Invariants, checked after every rule:
 - at the end every job is terminal and the system goes idle, with nothing pinned.
 
 The verification issue's machines (kvfsm.testing) were not finished when these were written, so these
-stand on their own; they use the same building blocks (kvfsm.invariants for the spec invariants).
+stand on their own; they use the same building blocks (kvfsm.check.invariants for the spec invariants).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from tier_support import GUARD_S, HIT, R1, FsRig, fs_rig, k, payload
+from typing_extensions import override
 
+from kvfsm.control.deadlines import Deadlines, ManualClock
 from kvfsm.control.job import Job
 from kvfsm.control.types import OffloadKey
-from kvfsm.deadlines import Deadlines, ManualClock
-from kvfsm.faults import FaultKind, FaultPlan, FaultRule
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 
 NUM_KEYS = 8
 KEYS = st.integers(0, NUM_KEYS - 1)
@@ -229,6 +230,7 @@ class TierSystemMachine(RuleBasedStateMachine):
             assert job.is_terminal, f"{job!r} never ended"
         self.jobs.clear()
 
+    @override
     def teardown(self) -> None:
         try:
             if self.hang is not None:
@@ -294,7 +296,7 @@ class EngineFaultMachine(RuleBasedStateMachine):
         assert not self.engine.has_pending_push_work()
 
     def _step(self) -> None:
-        from kvfsm.invariants import SystemView, check_all
+        from kvfsm.check.invariants import SystemView, check_all
 
         self.engine.step()
         for job in self.engine.scheduler.jobs().values():
@@ -364,6 +366,7 @@ class EngineFaultMachine(RuleBasedStateMachine):
         if self.tm.num_transfer_jobs or self.engine.scheduler.num_jobs:
             assert self.engine.has_pending_push_work()
 
+    @override
     def teardown(self) -> None:
         try:
             self.transfer_plan.clear()

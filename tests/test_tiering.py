@@ -6,6 +6,7 @@ import random
 from collections.abc import Iterable, Sequence
 
 import pytest
+from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
@@ -20,7 +21,7 @@ from kvfsm.control.types import (
     make_offload_key,
 )
 from kvfsm.errors import ConfigError, DuplicateJobError, UnknownJobError
-from kvfsm.states import JobKind, JobState, SlotState
+from kvfsm.machines.names import JobKind, JobState, SlotState
 from kvfsm.tiers.memory import InMemoryTier
 
 R1, R2 = ReqContext("r1"), ReqContext("r2")
@@ -72,18 +73,23 @@ class FixedTier(SecondaryTier):
         self.answer = answer
         self.submitted: list[TierJob] = []
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return self.answer
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self.submitted.append(job)
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         self.submitted.append(job)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         return []
 
+    @override
     def drain_jobs(self) -> None:
         pass
 
@@ -95,15 +101,18 @@ class ScriptedTier(FixedTier):
         super().__init__(LookupResult.MISS)
         self.results: list[JobResult] = []
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         out, self.results = self.results, []
         return out
 
 
 class RefusingTier(FixedTier):
+    @override
     def submit_store(self, job: TierJob) -> None:
         raise ConfigError("tier refuses the store")
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         raise ConfigError("tier refuses the load")
 
@@ -113,24 +122,31 @@ class RefusingTier(FixedTier):
 
 def test_base_has_pending_work_defaults_false() -> None:
     class Minimal(OffloadingManager):
+        @override
         def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
             return MISS
 
+        @override
         def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
             return SlotSpec(())
 
+        @override
         def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
             pass
 
+        @override
         def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
             return None
 
+        @override
         def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
             pass
 
+        @override
         def take_events(self) -> list[OffloadingEvent]:
             return []
 
+        @override
         def reset_cache(self) -> None:
             pass
 
@@ -493,10 +509,12 @@ def test_shutdown_tiers_then_primary() -> None:
     order: list[str] = []
 
     class P(CPUOffloadingManager):
+        @override
         def shutdown(self) -> None:
             order.append("primary")
 
     class T(InMemoryTier):
+        @override
         def shutdown(self) -> None:
             order.append(self.name)
 

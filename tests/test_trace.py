@@ -19,8 +19,8 @@ pytest.importorskip("torch")
 from helpers import GatedEngine, engine_config, gated_engine, run_released, tokens
 
 from kvfsm.errors import KvfsmError
-from kvfsm.fsm import set_tracer
-from kvfsm.trace import TRACE_VERSION, TraceError, TraceRecorder, TraceReport, verify_trace, verify_trace_file
+from kvfsm.machines.compiled import set_tracer
+from kvfsm.observe.trace import TRACE_VERSION, TraceError, TraceRecorder, TraceReport, verify_trace, verify_trace_file
 
 Record = dict[str, Any]
 

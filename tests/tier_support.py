@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Clock, Deadlines
 from kvfsm.control.tiering import BackpressureConfig, TieringManager
 from kvfsm.control.types import LookupResult, OffloadKey, ReqContext, make_offload_key
-from kvfsm.deadlines import Clock, Deadlines
-from kvfsm.faults import FaultPlan
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
+from kvfsm.tiers.faults import FaultPlan
 from kvfsm.tiers.fs import FileSystemTier
 from kvfsm.tiers.slotio import DictSlotIO
 
@@ -150,9 +150,9 @@ def fs_engine(
 ) -> tuple[ReferenceEngine, TieringManager, FileSystemTier]:
     """A reference engine whose manager is a CPU primary plus a file-system tier moving the real slot
     bytes of every rank's pool; with ``transfer_faults`` every worker's copies go through a
-    :class:`~kvfsm.faults.FaultyCopyBackend`."""
+    :class:`~kvfsm.tiers.faults.FaultyCopyBackend`."""
     from kvfsm.engine.core import ReferenceEngine
-    from kvfsm.faults import FaultyCopyBackend
+    from kvfsm.tiers.faults import FaultyCopyBackend
     from kvfsm.tiers.slotio import CompositeSlotIO, SizedSlotIO
 
     tier = FileSystemTier(root, faults=faults, capacity_files=tier_capacity_files, checked=True)

@@ -17,6 +17,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from typing_extensions import override
+
 from kvfsm.check.model import (
     COPYING,
     E_NAMES,
@@ -31,7 +33,7 @@ from kvfsm.check.model import (
     State,
     slot_state,
 )
-from kvfsm.states import EngineState, JobState
+from kvfsm.machines.names import EngineState, JobState
 
 __all__ = [
     "LIVENESS",
@@ -70,6 +72,7 @@ class Violation:
         """Events in the counterexample, the violating one included."""
         return len(self.path) + (self.label is not None)
 
+    @override
     def __str__(self) -> str:
         return f"{self.invariant}: {self.detail} (counterexample of {self.length} events)"
 

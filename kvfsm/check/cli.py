@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from kvfsm.bench_progress import Progress as ProgressDisplay
 from kvfsm.check.bfs import ExplorationResult, explore, format_trace
 from kvfsm.check.model import Bounds, Model
 from kvfsm.cli import int_in
 from kvfsm.errors import ConfigError
+from kvfsm.observe.progress import Progress as ProgressDisplay
 from kvfsm.validation import is_int
 
 __all__ = [
@@ -156,7 +156,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
 
 @contextmanager
 def progress_display(enabled: bool, stream: TextIO = sys.stderr) -> Iterator[Progress | None]:
-    """A progress callback for explore(), on the shared progress display (:mod:`kvfsm.bench_progress`)."""
+    """A progress callback for explore(), on the shared progress display (:mod:`kvfsm.observe.progress`)."""
     if not enabled:
         yield None
         return

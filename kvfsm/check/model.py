@@ -44,7 +44,7 @@ import kvfsm.control.scheduler as scheduler_mod
 from kvfsm.control.decisions import settle_event
 from kvfsm.errors import ConfigError, InvalidTransition
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
-from kvfsm.states import (
+from kvfsm.machines.names import (
     EngineEvent,
     EngineState,
     JobEffect,

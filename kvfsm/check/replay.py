@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from typing_extensions import override
+
 from kvfsm.check.bfs import ExplorationResult, describe_label, describe_state
 from kvfsm.check.model import (
     ABSENT,
@@ -72,7 +74,7 @@ from kvfsm.control.types import (
 from kvfsm.control.worker import HeldCopyBackend, OffloadingWorker
 from kvfsm.errors import KvfsmError
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
-from kvfsm.states import (
+from kvfsm.machines.names import (
     JOB_TERMINAL,
     EngineEvent,
     EngineState,
@@ -124,27 +126,33 @@ class LoopbackTier(SecondaryTier):
         #: gate is closed.
         self.polled = False
 
+    @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         return LookupResult.MISS
 
+    @override
     def submit_store(self, job: TierJob) -> None:
         self.copying[job.job_id] = job
 
+    @override
     def submit_load(self, job: TierJob) -> None:
         raise KvfsmError("the loopback tier never hits, so it never promotes")
 
     def finish(self, job_id: int, ok: bool) -> None:
         self.done[job_id] = (self.copying.pop(job_id), ok)
 
+    @override
     def on_schedule_end(self) -> None:
         self.polled = False  # the manager reopens its poll gate right after this hook
 
+    @override
     def get_finished_jobs(self) -> list[JobResult]:
         self.polled = True
         order = sorted(self.done.values(), key=lambda d: self.keys(d[0]))
         self.done = {}
         return [JobResult(job.job_id, ok) for job, ok in order]
 
+    @override
     def drain_jobs(self) -> None:
         for job_id in list(self.copying):
             self.finish(job_id, True)
@@ -540,6 +548,7 @@ class Mismatch:
     expected: State | None
     actual: State | None
 
+    @override
     def __str__(self) -> str:
         lines = [self.what, f"after {len(self.path)} events: {list(self.path)}"]
         if self.expected is not None:

@@ -25,9 +25,9 @@ from kvfsm.control.types import (
     SlotSpec,
 )
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEffect, SlotEvent, SlotState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 
 __all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel", "is_evictable"]
 
@@ -94,7 +94,7 @@ class SlotModel:
 
     Like :class:`~kvfsm.control.job.Job`, the record owns its bookkeeping: each method fires the slot
     machine and then updates ``readers``, so no caller assigns either. Methods whose transition carries
-    an effect return it (:class:`~kvfsm.states.SlotEffect`) for the tier to carry out. Tiers subclass it
+    an effect return it (:class:`~kvfsm.machines.names.SlotEffect`) for the tier to carry out. Tiers subclass it
     (slotted dataclasses) with what they keep per key.
     """
 

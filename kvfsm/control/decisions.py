@@ -7,7 +7,7 @@ replay :class:`kvfsm.check.replay.Harness`) decides the same way.
 
 from __future__ import annotations
 
-from kvfsm.states import EngineEvent, EngineState
+from kvfsm.machines.names import EngineEvent, EngineState
 
 __all__ = ["settle_event"]
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing_extensions import override
+
 from kvfsm.control.types import GPUBlockSpec, OffloadKey, ReqContext, SlotSpec
 from kvfsm.errors import AckCountError
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
-from kvfsm.states import JOB_TERMINAL, JobEffect, JobEvent, JobKind, JobState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import JOB_TERMINAL, JobEffect, JobEvent, JobKind, JobState
 
 __all__ = ["Job", "Quarantined"]
 
@@ -59,6 +61,7 @@ class Job:
         self.state = JobState.SUBMITTED
         self.machine = machine if machine is not None else job_machine()
 
+    @override
     def __repr__(self) -> str:
         return f"Job({self.job_id}, {self.kind.value}, req={self.req_id!r}, {self.state.value}, pending={self.pending})"
 

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence, Set
 from typing import Final
 
+from typing_extensions import override
+
 from kvfsm.control.types import OffloadKey
 from kvfsm.errors import ConfigError, KeyNotReadyError
 
@@ -100,6 +102,7 @@ class LRUPolicy(CachePolicy):
         self._order: OrderedDict[OffloadKey, None] = OrderedDict()
         self._evictable: OrderedDict[OffloadKey, None] = OrderedDict()
 
+    @override
     def insert(self, key: OffloadKey, *, evictable: bool = True) -> None:
         if key in self._order:
             raise KeyNotReadyError(f"policy already holds key {_show(key)}; expected a key not yet inserted")
@@ -107,12 +110,14 @@ class LRUPolicy(CachePolicy):
         if evictable:
             self._evictable[key] = None
 
+    @override
     def remove(self, key: OffloadKey) -> None:
         if key not in self._order:
             raise _not_held(key, "remove()")
         del self._order[key]
         self._evictable.pop(key, None)
 
+    @override
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order, evictable = self._order, self._evictable
         for key in reversed(keys):
@@ -121,6 +126,7 @@ class LRUPolicy(CachePolicy):
                 if key in evictable:
                     evictable.move_to_end(key)
 
+    @override
     def mark_evictable(self, key: OffloadKey) -> None:
         if key not in self._order:
             raise _not_held(key, "mark_evictable()")
@@ -130,11 +136,13 @@ class LRUPolicy(CachePolicy):
         self._order.move_to_end(key)
         self._evictable[key] = None
 
+    @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
         if key not in self._order:
             raise _not_held(key, "mark_non_evictable()")
         self._evictable.pop(key, None)
 
+    @override
     def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:
         _check_n(n)
         if n == 0:
@@ -155,23 +163,29 @@ class LRUPolicy(CachePolicy):
             del self._order[key]
         return victims
 
+    @override
     def clear(self) -> None:
         self._order.clear()
         self._evictable.clear()
 
+    @override
     def __len__(self) -> int:
         return len(self._order)
 
+    @override
     def __contains__(self, key: object) -> bool:
         return key in self._order
 
+    @override
     def is_evictable(self, key: OffloadKey) -> bool:
         return key in self._evictable
 
+    @override
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @override
     def keys(self) -> list[OffloadKey]:
         return list(self._order)
 
@@ -234,6 +248,7 @@ class ARCPolicy(CachePolicy):
 
     # -- CachePolicy --
 
+    @override
     def insert(self, key: OffloadKey, *, evictable: bool = True) -> None:
         if key in self._t1 or key in self._t2:
             raise KeyNotReadyError(f"policy already holds key {_show(key)}; expected a key not yet inserted")
@@ -255,6 +270,7 @@ class ARCPolicy(CachePolicy):
         self._max_held = max(self._max_held, len(self))
         self._trim_ghosts()
 
+    @override
     def remove(self, key: OffloadKey) -> None:
         if key in self._t1:
             del self._t1[key]
@@ -265,6 +281,7 @@ class ARCPolicy(CachePolicy):
         else:
             raise _not_held(key, "remove()")
 
+    @override
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, t1_ev, t2_ev = self._t1, self._t2, self._t1_ev, self._t2_ev
         for key in reversed(keys):
@@ -280,6 +297,7 @@ class ARCPolicy(CachePolicy):
                 if key in t2_ev:
                     t2_ev.move_to_end(key)
 
+    @override
     def mark_evictable(self, key: OffloadKey) -> None:
         if key in self._t1:
             lst, ev = self._t1, self._t1_ev
@@ -292,6 +310,7 @@ class ARCPolicy(CachePolicy):
         lst.move_to_end(key)  # the release is a use; keeps ``ev`` in the list's order
         ev[key] = None
 
+    @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
         if key in self._t1:
             self._t1_ev.pop(key, None)
@@ -300,6 +319,7 @@ class ARCPolicy(CachePolicy):
         else:
             raise _not_held(key, "mark_non_evictable()")
 
+    @override
     def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:
         _check_n(n)
         if n == 0:
@@ -341,25 +361,31 @@ class ARCPolicy(CachePolicy):
         while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
             self._b2.popitem(last=False)
 
+    @override
     def clear(self) -> None:
         for m in (self._t1, self._t2, self._t1_ev, self._t2_ev, self._b1, self._b2):
             m.clear()
         self._target = 0
         self._max_held = 0
 
+    @override
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
 
+    @override
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
 
+    @override
     def is_evictable(self, key: OffloadKey) -> bool:
         return key in self._t1_ev or key in self._t2_ev
 
+    @override
     @property
     def num_evictable(self) -> int:
         return len(self._t1_ev) + len(self._t2_ev)
 
+    @override
     def keys(self) -> list[OffloadKey]:
         return [*self._t1, *self._t2]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from typing_extensions import override
+
 __all__ = ["TokenRequest", "chain_block_hashes"]
 
 
@@ -70,5 +72,6 @@ class TokenRequest:
             self._block_hashes = chain_block_hashes(self.token_ids, self.tokens_per_block, self._block_hashes)
         return self._block_hashes
 
+    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.req_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

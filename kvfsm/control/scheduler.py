@@ -9,7 +9,7 @@ keeps stepping, so ``build_connector_meta`` and ``update_connector_output`` keep
 scheduled. No method here blocks; a fence or preemption flush is a *request* to the workers.
 
 Failures and deadlines (spec/README.md, "Failures, deadlines and shutdown"): a job ends in exactly one of
-complete, failed, cancelled, timed_out or stale. With :class:`~kvfsm.deadlines.Deadlines`, a job past its
+complete, failed, cancelled, timed_out or stale. With :class:`~kvfsm.control.deadlines.Deadlines`, a job past its
 deadline times out at the next ``build_connector_meta``; its launched copies may still be running, so its
 slots stay quarantined until every launched worker has reported (late reports are absorbed by id), and a
 timed-out load's GPU blocks are reported through :meth:`OffloadingScheduler.is_quarantined` /
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfsm.control.config import DrainMode, OffloadConfig
+from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
@@ -40,7 +41,6 @@ from kvfsm.control.types import (
     SlotSpec,
     make_offload_key,
 )
-from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.errors import (
     AckCountError,
     DuplicateRequestError,
@@ -49,9 +49,9 @@ from kvfsm.errors import (
     UnknownJobError,
     UnknownRequestError,
 )
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine, request_machine
-from kvfsm.states import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
 
 __all__ = [
     "OffloadRequest",

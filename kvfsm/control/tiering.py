@@ -8,7 +8,7 @@ engine to keep stepping exactly while a later poll can still complete something.
 
 Failure semantics (spec/README.md, "Failures, deadlines and shutdown"): a failed cascade only unpins its
 slot (the CPU copy stays valid); a failed promotion frees its slot and invalidates the tier's copy, so the
-next lookup answers MISS. With :class:`~kvfsm.deadlines.Deadlines`, a transfer past its deadline times out
+next lookup answers MISS. With :class:`~kvfsm.control.deadlines.Deadlines`, a transfer past its deadline times out
 through the job machine; its slot stays quarantined until the tier reports the copy finished (a late
 result is absorbed, never an UnknownJobError). A :class:`CascadeBackpressure` per tier drops cascades to a
 tier whose latency is too high (with hysteresis), never promotions. Time comes from an injected clock.
@@ -25,6 +25,7 @@ from functools import partial
 from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager, CPUStats
+from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
 from kvfsm.control.types import (
@@ -36,11 +37,10 @@ from kvfsm.control.types import (
     ReqContext,
     SlotSpec,
 )
-from kvfsm.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.errors import ConfigError, KvfsmError, UnknownJobError
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import job_machine
-from kvfsm.states import JobEffect, JobEvent, JobKind, JobState, SlotState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import JobEffect, JobEvent, JobKind, JobState, SlotState
 
 __all__ = ["BackpressureConfig", "CascadeBackpressure", "TieringCounters", "TieringManager", "TieringStats"]
 

@@ -28,11 +28,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Protocol
 
+from typing_extensions import override
+
 from kvfsm.control.job import Job
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.states import JobKind
+from kvfsm.machines.names import JobKind
 from kvfsm.validation import is_int
 
 __all__ = ["CopyBackend", "CopyFn", "HeldCopyBackend", "OffloadingWorker"]
@@ -84,6 +86,7 @@ class OffloadingWorker:
         #: Jobs launched whose copy could not even be submitted: reported failed by the next poll().
         self._submit_failures: list[int] = []
 
+    @override
     def __repr__(self) -> str:
         return (
             f"OffloadingWorker(rank={self.rank}, world_size={self.world_size}, "

@@ -27,6 +27,7 @@ import warnings
 import weakref
 
 import torch
+from typing_extensions import override
 
 from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.layout import is_int
@@ -177,6 +178,7 @@ class CPUSlotPool:
 
     # ------------------------------------------------------------------ addressing
 
+    @override
     def __repr__(self) -> str:
         return (
             f"CPUSlotPool(num_slots={self.num_slots}, blocks_per_chunk={self.blocks_per_chunk}, "

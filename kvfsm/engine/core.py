@@ -10,12 +10,12 @@ import torch
 
 from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Clock, Deadlines
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.data.layout import KVCacheSpec, allocate_kv_caches
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.data.worker import OffloadingWorker, make_workers
-from kvfsm.deadlines import Clock, Deadlines
 from kvfsm.engine.loop import EngineLoop, IntegrityStats, StepRecord
 from kvfsm.engine.tensor_memory import TensorMemory
 from kvfsm.errors import ConfigError
@@ -80,7 +80,7 @@ class ReferenceEngine(EngineLoop):
         deadlines: Deadlines | None = None,
         clock: Clock | None = None,
     ) -> None:
-        """``deadlines`` and ``clock`` go to the connector's scheduler half (see kvfsm.deadlines)."""
+        """``deadlines`` and ``clock`` go to the connector's scheduler half (see kvfsm.control.deadlines)."""
         self.config = cfg = config or EngineConfig()
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.kv_spec = KVCacheSpec(

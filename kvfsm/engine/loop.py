@@ -23,16 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvfsm.control.deadlines import ShutdownReport, run_bounded_all
 from kvfsm.control.decisions import settle_event
 from kvfsm.control.metadata import WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.worker import OffloadingWorker
-from kvfsm.deadlines import ShutdownReport, run_bounded_all
 from kvfsm.engine.block_pool import BlockPool
 from kvfsm.engine.requests import EngineRequest, RequestStatus
 from kvfsm.errors import DuplicateRequestError, KvfsmError, UnknownRequestError
 from kvfsm.machines import engine_machine
-from kvfsm.states import EngineEffect, EngineEvent, EngineState
+from kvfsm.machines.names import EngineEffect, EngineEvent, EngineState
 
 __all__ = ["EngineLoop", "IntegrityStats", "KVMemory", "StepRecord", "partial_block_key"]
 

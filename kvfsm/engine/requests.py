@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from enum import Enum
 
+from typing_extensions import override
+
 from kvfsm.control.requests import TokenRequest, chain_block_hashes
 
 __all__ = ["EngineRequest", "RequestStatus", "chain_block_hashes"]
@@ -93,5 +95,6 @@ class EngineRequest(TokenRequest):
         digest = hashlib.blake2b(seed + self.num_tokens.to_bytes(4, "little"), digest_size=4).digest()
         return int.from_bytes(digest, "little") % self.vocab_size
 
+    @override
     def __repr__(self) -> str:
         return f"EngineRequest({self.req_id!r}, {self.status.value}, tokens={self.num_tokens})"

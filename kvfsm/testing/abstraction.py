@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from kvfsm.check.model import ABSENT, WRITING, State
 from kvfsm.control.types import OffloadKey
-from kvfsm.states import JobKind, JobState, RequestState, SlotState
+from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
 from kvfsm.testing.system import SystemHarness
 
 __all__ = ["ProtocolState", "project_model_state", "project_system"]

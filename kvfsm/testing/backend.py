@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from typing_extensions import override
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.data.backend import CopyBackend, chunk_rows
@@ -374,6 +375,7 @@ class CopyBackendStateMachine(RuleBasedStateMachine):
                         f"pool row {r} (layer {layer}) changed"
                     )
 
+    @override
     def teardown(self) -> None:
         if self._backend is None:
             return

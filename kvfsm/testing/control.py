@@ -21,15 +21,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+from typing_extensions import override
+
 from kvfsm.control.config import OffloadConfig
+from kvfsm.control.deadlines import ManualClock
 from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.types import GPUBlockSpec, OffloadKey, SlotSpec
 from kvfsm.control.worker import HeldCopyBackend, OffloadingWorker
-from kvfsm.deadlines import ManualClock
 from kvfsm.engine.loop import EngineLoop
 from kvfsm.engine.requests import EngineRequest
-from kvfsm.states import EngineState
+from kvfsm.machines.names import EngineState
 from kvfsm.testing.coverage import spec_covered
 from kvfsm.testing.system import SYSTEM_EXEMPT, SystemConfig, SystemHarness, SystemStateMachine, make_manager
 
@@ -143,12 +145,15 @@ class LoopHarness(SystemHarness):
     engine: EngineLoop
     backends: Sequence[HeldCopies]
 
+    @override
     def held_copies(self) -> list[tuple[int, int]]:
         return sorted((job_id, rank) for rank, b in enumerate(self.backends) for job_id in b.held_ids)
 
+    @override
     def complete_copy(self, job_id: int, rank: int, ok: bool) -> None:
         self.backends[rank].complete(job_id, ok)
 
+    @override
     def copies_in_flight(self) -> dict[int, set[int]]:
         out: dict[int, set[int]] = {}
         for rank, b in enumerate(self.backends):
@@ -156,51 +161,65 @@ class LoopHarness(SystemHarness):
                 out.setdefault(job_id, set()).add(rank)
         return out
 
+    @override
     @property
     def scheduler(self) -> OffloadingScheduler:
         return self.engine.scheduler
 
+    @override
     @property
     def state(self) -> EngineState:
         return self.engine.current_state()
 
+    @override
     def make_request(self, req_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
         return self.engine.make_request(req_id, prompt, max_tokens)
 
+    @override
     def add_request(self, request: EngineRequest, late: bool) -> None:
         if late:
             self.engine.add_request_during_next_step(request)
         else:
             self.engine.add_request(request)
 
+    @override
     def step(self) -> tuple[EngineState, bool] | None:
         rec = self.engine.step()
         return None if rec is None else (rec.state, rec.pending_push_work)
 
+    @override
     def has_pending_push_work(self) -> bool:
         return self.engine.has_pending_push_work()
 
+    @override
     def live_request_ids(self) -> list[str]:
         return sorted(r.req_id for r in self.engine.requests.values() if not r.is_finished)
 
+    @override
     def is_admitted(self, req_id: str) -> bool:
         return req_id in self.engine.requests
 
+    @override
     def abort(self, req_id: str) -> None:
         self.engine.abort(req_id)
 
+    @override
     def reset_offload_cache(self) -> None:
         self.engine.reset_offload_cache()
 
+    @override
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    @override
     def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]:
         return self.engine.workers[rank].unlaunched_store_ids
 
+    @override
     def load_mismatches(self) -> int:
         return self.engine.integrity.mismatches
 
+    @override
     def shutdown(self, timeout: float | None) -> None:
         if self.engine.state is not EngineState.STOPPED:
             self.engine.shutdown(timeout)
@@ -219,6 +238,7 @@ class ControlHarness(LoopHarness):
         self.tier = self.engine.tier
         self.hook = self.engine.hook
 
+    @override
     def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
         for rank, cpu in enumerate(self.engine.tags.cpu):
@@ -230,6 +250,7 @@ class ControlHarness(LoopHarness):
                     )
         return out
 
+    @override
     def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
         for rank in sorted(ranks):
@@ -241,6 +262,7 @@ class ControlHarness(LoopHarness):
                     )
         return out
 
+    @override
     def close(self) -> None:
         pass
 
@@ -249,5 +271,6 @@ class ControlHarness(LoopHarness):
 class ControlPlaneStateMachine(SystemStateMachine):
     """The control plane over tag memory against the spec (see :mod:`kvfsm.testing.system`)."""
 
+    @override
     def make_harness(self, config: SystemConfig) -> SystemHarness:
         return ControlHarness(config)

@@ -2,7 +2,7 @@
 
 A rule says which spec events it drives with :func:`covers` (``"machine.event"`` names, e.g.
 ``"job.ack"``); the class decorator :func:`spec_covered` then reads the events of the named machines from
-``spec/*.toml`` (through :mod:`kvfsm.spec_loader`) when the class is created, and raises
+``spec/*.toml`` (through :mod:`kvfsm.machines.loader`) when the class is created, and raises
 :class:`SpecCoverageError` if one of them is neither covered by a rule nor exempted with a written reason.
 Adding an event to the spec without a rule therefore fails at import time, before any example runs::
 
@@ -14,7 +14,7 @@ Adding an event to the spec without a rule therefore fails at import time, befor
         def complete_copy(self, data: st.DataObject) -> None: ...
 
 :class:`TransitionLog` records every transition the implementation fires (through
-:func:`kvfsm.fsm.add_tracer`), so a test can also check which events a run actually reached.
+:func:`kvfsm.machines.compiled.add_tracer`), so a test can also check which events a run actually reached.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
-from kvfsm.spec_loader import MACHINE_NAMES, load_machine
+from kvfsm.machines.compiled import TracerHandle, add_tracer, remove_tracer
+from kvfsm.machines.loader import MACHINE_NAMES, load_machine
 
 __all__ = [
     "SpecCoverage",

@@ -18,14 +18,15 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+from typing_extensions import override
 
+from kvfsm.control.deadlines import ManualClock
 from kvfsm.control.job import Job
 from kvfsm.control.types import OffloadKey
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.layout import head_shard, shard_kv_caches
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.data.worker import OffloadingWorker
-from kvfsm.deadlines import ManualClock
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
 from kvfsm.testing.backend import ManualCopyBackend
 from kvfsm.testing.control import LoopHarness
@@ -111,6 +112,7 @@ class EngineHarness(LoopHarness):
 
     # -- SystemHarness --
 
+    @override
     def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
         for rank, pool in enumerate(self.pools):
@@ -123,6 +125,7 @@ class EngineHarness(LoopHarness):
                         )
         return out
 
+    @override
     def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
         out: list[str] = []
         for rank in sorted(ranks):
@@ -136,6 +139,7 @@ class EngineHarness(LoopHarness):
                         )
         return out
 
+    @override
     def close(self) -> None:
         for b in self.backends:
             b.inner.shutdown()
@@ -150,5 +154,6 @@ class EngineStateMachine(SystemStateMachine):
 
     device: ClassVar[str | None] = "cpu"
 
+    @override
     def make_harness(self, config: SystemConfig) -> SystemHarness:
         return EngineHarness(config, self.device)

@@ -52,7 +52,7 @@ from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, make_offload_key
-from kvfsm.states import SlotState
+from kvfsm.machines.names import SlotState
 from kvfsm.testing.coverage import TransitionLog
 
 __all__ = ["KitSlotIO", "RecordingTier", "SecondaryTierStateMachine", "key_content"]
@@ -408,6 +408,7 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         problems = self.violations()
         assert not problems, "; ".join(problems[:6])
 
+    @override
     def teardown(self) -> None:
         try:
             if self._manager is not None:

@@ -10,11 +10,11 @@ the class is checked against ``spec/*.toml`` when it is created. Rules draw only
 precondition says whether any target exists, and the target is drawn from the eligible ones. Every
 transfer finishes only when a rule says so (or when a step blocks on it, as a fence or preemption flush
 does), so each example is deterministic. Time passes only through ``advance_clock`` (a
-:class:`~kvfsm.deadlines.ManualClock`).
+:class:`~kvfsm.control.deadlines.ManualClock`).
 
 Checked after every rule (:meth:`SystemStateMachine.system_violations`):
 
-* every invariant of ``spec/invariants.toml`` (:func:`kvfsm.invariants.check_all`);
+* every invariant of ``spec/invariants.toml`` (:func:`kvfsm.check.invariants.check_all`);
 * ``has_pending_push_work()`` is True while any transfer is in flight or uncommitted: a copy of a live job
   on any worker (held, or finished and not yet polled), an un-launched store, a job that is not terminal,
   a tier job (submitted, or finished and not yet applied); stale and timed-out (quarantined) jobs are
@@ -41,17 +41,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from typing_extensions import override
 
+from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines, ManualClock
 from kvfsm.control.job import Job
 from kvfsm.control.manager import OffloadingManager
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import OffloadKey, ReqContext, make_offload_key
-from kvfsm.deadlines import Deadlines, ManualClock
 from kvfsm.engine.requests import EngineRequest
-from kvfsm.invariants import SystemView, check_all
-from kvfsm.spec_loader import load_machine
-from kvfsm.states import EngineState, JobKind, SlotState
+from kvfsm.machines.loader import load_machine
+from kvfsm.machines.names import EngineState, JobKind, SlotState
 from kvfsm.testing.coverage import TransitionLog, covers, spec_covered
 from kvfsm.tiers.memory import InMemoryTier
 
@@ -744,6 +744,7 @@ class SystemStateMachine(RuleBasedStateMachine):
         self._clock += 1
         self._check_now()
 
+    @override
     def teardown(self) -> None:
         h = self._h
         if h is None:

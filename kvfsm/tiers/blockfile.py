@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvfsm.control.types import OffloadKey
 from kvfsm.errors import KvfsmError
-from kvfsm.faults import FaultPlan
+from kvfsm.tiers.faults import FaultPlan
 
 __all__ = [
     "FORMAT_VERSION",

@@ -18,7 +18,7 @@ written, ``ready`` once the file is renamed into place, ``reading(n)`` while n p
 - **Lookups never block**: a key the index does not know while the scan is still running is probed
   asynchronously (:mod:`kvfsm.tiers.lookup`); the tier answers RETRY until the answer is in.
 - **Capacity** in bytes and/or files, with LRU eviction of ready entries.
-- **Faults**: a :class:`~kvfsm.faults.FaultPlan` is consulted at every file and slot operation.
+- **Faults**: a :class:`~kvfsm.tiers.faults.FaultPlan` is consulted at every file and slot operation.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from kvfsm.control.cpu import SlotModel
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob, validate_tier_job
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.faults import FaultPlan
-from kvfsm.fsm import SpecMachine
 from kvfsm.machines import slot_machine
-from kvfsm.states import SlotEffect, SlotEvent, SlotState
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 from kvfsm.tiers.blockfile import HEADER, BlockIO, CorruptBlockError, FileInfo, ScanResult
+from kvfsm.tiers.faults import FaultPlan
 from kvfsm.tiers.lookup import AsyncLookup
 from kvfsm.tiers.pool import DualQueuePool
 from kvfsm.tiers.slotio import SlotIO, slot_nbytes

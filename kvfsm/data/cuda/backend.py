@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.data.backend import CopyStatsMixin, CopyTally
@@ -224,6 +225,7 @@ class CudaCopyBackend(CopyStatsMixin):
         if self._forced is None and calibration is None and isinstance(device_api, CudaDevice):
             self._calibration = cuda_calibration(device_api, kernel="kernel" in self.paths)
 
+    @override
     def __repr__(self) -> str:
         return (
             f"CudaCopyBackend(device={self.device}, layers={self.registration.num_layers}, "

@@ -1,6 +1,6 @@
 """Metrics from the spec machines' transitions, exported through prometheus-client (an optional extra).
 
-:class:`KvfsmMetrics` is a transition tracer (registered with :func:`kvfsm.fsm.add_tracer`, beside
+:class:`KvfsmMetrics` is a transition tracer (registered with :func:`kvfsm.machines.compiled.add_tracer`, beside
 any other tracer). Every transition costs O(1): it updates plain Python counters, and the
 Prometheus families are built from them only when scraped. So the logic runs, and is tested, without
 prometheus-client; only :meth:`KvfsmMetrics.registry`, :meth:`~KvfsmMetrics.exposition` and
@@ -43,9 +43,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from typing_extensions import override
+
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
-from kvfsm.spec_loader import load_machine
+from kvfsm.machines.compiled import TracerHandle, add_tracer, remove_tracer
+from kvfsm.machines.loader import load_machine
 
 __all__ = [
     "DIRECTIONS",
@@ -83,6 +85,7 @@ class StuckJob:
     since: float
     age: float
 
+    @override
     def __str__(self) -> str:
         return f"{self.kind} job {self.job_id} (request {self.req_id!r}) has been {self.state} for {self.age:.3g} s"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfsm.errors import ConfigError, KvfsmError
-from kvfsm.states import EngineState
+from kvfsm.machines.names import EngineState
 
 if TYPE_CHECKING:  # the engine needs torch; drawing a timeline does not
     from kvfsm.engine.core import StepRecord

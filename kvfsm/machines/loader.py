@@ -72,7 +72,7 @@ def spec_dir() -> Path:
             return candidate
     except ModuleNotFoundError:  # pragma: no cover - only without an install
         pass
-    checkout = Path(__file__).resolve().parent.parent / "spec"
+    checkout = Path(__file__).resolve().parents[2] / "spec"
     if (checkout / "job.toml").is_file():
         return checkout
     raise SpecError("cannot find the spec tables: expected kvfsm.spec package data or ./spec/job.toml")

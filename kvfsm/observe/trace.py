@@ -1,7 +1,7 @@
 """A structured trace of every spec-machine transition (NDJSON), and its verification against the spec.
 
 Recording: :class:`TraceRecorder` installs itself as the process-wide transition tracer
-(:func:`kvfsm.fsm.add_tracer`, beside any other tracer) and writes one JSON object per line::
+(:func:`kvfsm.machines.compiled.add_tracer`, beside any other tracer) and writes one JSON object per line::
 
     {"kvfsm_trace": 1, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
     {"scope": "workload"}                                                                  <- optional
@@ -48,9 +48,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeGuard
 
+from typing_extensions import override
+
 from kvfsm.errors import KvfsmError
-from kvfsm.fsm import TracerHandle, add_tracer, remove_tracer
-from kvfsm.spec_loader import MACHINE_NAMES, MachineSpec, load_machine
+from kvfsm.machines.compiled import TracerHandle, add_tracer, remove_tracer
+from kvfsm.machines.loader import MACHINE_NAMES, MachineSpec, load_machine
 
 __all__ = [
     "TRACE_VERSION",
@@ -232,6 +234,7 @@ class TraceViolation:
     rule: str
     detail: str
 
+    @override
     def __str__(self) -> str:
         return f"line {self.line}: [{self.rule}] {self.detail}"
 

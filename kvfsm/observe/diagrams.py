@@ -5,7 +5,7 @@ The diagrams in spec/README.md are not drawn by hand: each lies between a pair o
     <!-- diagram:job:start -->
     <!-- diagram:job:end -->
 
-and ``kvfsm diagram --write`` (or ``python -m kvfsm.diagrams --write``) regenerates the fenced block
+and ``kvfsm diagram --write`` (or ``python -m kvfsm.observe.diagrams --write``) regenerates the fenced block
 between them. ``--check`` exits 1 if the README is stale (CI and tests/test_spec_conformance.py run
 it); with no option every diagram is printed.
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvfsm.errors import ConfigError, KvfsmError, SpecError
-from kvfsm.fsm import build_transitions_machine, compile_table
-from kvfsm.spec_loader import MACHINE_NAMES, MachineSpec, load_machine, spec_dir
+from kvfsm.machines.compiled import build_transitions_machine, compile_table
+from kvfsm.machines.loader import MACHINE_NAMES, MachineSpec, load_machine, spec_dir
 
 __all__ = [
     "add_arguments",
@@ -112,7 +112,7 @@ def readme_path() -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``kvfsm diagram`` and ``python -m kvfsm.diagrams``."""
+    """The options of ``kvfsm diagram`` and ``python -m kvfsm.observe.diagrams``."""
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="regenerate the diagrams in spec/README.md")
     mode.add_argument("--check", action="store_true", help="exit 1 if spec/README.md is out of date")
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvfsm.diagrams", description="Mermaid diagrams of the kvfsm spec machines."
+        prog="python -m kvfsm.observe.diagrams", description="Mermaid diagrams of the kvfsm spec machines."
     )
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Each guard is a function ``(model, arg) -> bool``; ``arg`` is the event's one integer argument (an ack
 count, a worker rank) or 0. Names must match the ``[guards]`` tables in spec/ exactly. Each machine is
-typed by its state, event and effect enums from :mod:`kvfsm.states`; the rules are in ``spec/README.md``.
+typed by its state, event and effect enums from :mod:`kvfsm.machines.names`; the rules are in ``spec/README.md``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
-from kvfsm.fsm import SpecMachine
-from kvfsm.states import (
+from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.names import (
     EngineEffect,
     EngineEvent,
     EngineState,

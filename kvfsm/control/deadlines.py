@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, fields
 
 from kvfsm.errors import ConfigError
-from kvfsm.states import JobKind
+from kvfsm.machines.names import JobKind
 
 __all__ = [
     "Clock",

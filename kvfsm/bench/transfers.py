@@ -8,7 +8,7 @@ compared with one contiguous copy of the same total bytes between the same two m
 run, interleaved; the figures are medians of several repeats. On a CPU-only machine both memories are host
 memory; with CUDA the GPU rows also time both directions at once.
 
-``python -m kvfsm.data.bench_transfers [--quick] [--json FILE] [--backend cpu|cuda]``
+``python -m kvfsm.bench.transfers [--quick] [--json FILE] [--backend cpu|cuda]``
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def format_table(rows: Sequence[dict[str, object]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfsm.data.bench_transfers", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvfsm.bench.transfers", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="32 MiB per transfer, 5 repeats (full: 256 MiB, 9)")
     parser.add_argument("--backend", action="append", choices=("cpu", "cuda"), help="repeatable; default: all")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")

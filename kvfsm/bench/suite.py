@@ -4,14 +4,14 @@ Sections (``--only`` picks some):
 
 1. ``drain`` - drain responsiveness (the headline): a request finishes leaving D bytes of stores in
    flight and a new one arrives at once; time and steps until it is first scheduled, non-blocking drain
-   against the blocking-flush baseline, D from 1 MiB to 1 GiB (:mod:`kvfsm.bench_drain`).
+   against the blocking-flush baseline, D from 1 MiB to 1 GiB (:mod:`kvfsm.bench.drain`).
 2. ``control`` - control-plane cost: a seeded prefix-reuse trace (or a JSONL one) replayed through the
    CPU tier manager at 25% and 100% capacity, and the scheduler's per-step cost for N = 16, 64, 256
-   running requests (:mod:`kvfsm.bench_control`, :mod:`kvfsm.workload`).
+   running requests (:mod:`kvfsm.bench.control`, :mod:`kvfsm.bench.workload`).
 3. ``lifecycle`` - µs per job on the compiled path and in transitions-checked mode, and the cost of
    ``has_pending_push_work()`` with 10 and 100k jobs in flight.
-4. ``transfers`` - the data plane's table (:mod:`kvfsm.data.bench_transfers`, when it is installed).
-5. ``verification`` - model-checker states/s and Hypothesis stateful steps/s (:mod:`kvfsm.bench_verify`).
+4. ``transfers`` - the data plane's table (:mod:`kvfsm.bench.transfers`, when it is installed).
+5. ``verification`` - model-checker states/s and Hypothesis stateful steps/s (:mod:`kvfsm.bench.verify`).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvfsm.bench_progress import Progress
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
@@ -42,7 +41,8 @@ from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, Sched
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.errors import ConfigError
 from kvfsm.machines import job_machine
-from kvfsm.states import JobKind
+from kvfsm.machines.names import JobKind
+from kvfsm.observe.progress import Progress
 from kvfsm.validation import is_int, require_output_file
 
 __all__ = [
@@ -236,7 +236,7 @@ def _in_flight(results: Sequence[Any]) -> str:
 
 
 def _section_drain(opts: _Options, report: BenchReport) -> str:
-    from kvfsm.bench_drain import FULL_SIZES_MIB, QUICK_SIZES_MIB, DrainPoint, drain_sweep
+    from kvfsm.bench.drain import FULL_SIZES_MIB, QUICK_SIZES_MIB, DrainPoint, drain_sweep
 
     sizes = QUICK_SIZES_MIB if opts.quick else FULL_SIZES_MIB
     repeats = 5 if opts.quick else 7
@@ -308,8 +308,8 @@ def _section_drain(opts: _Options, report: BenchReport) -> str:
 
 
 def _section_control(opts: _Options, report: BenchReport) -> str:
-    from kvfsm.bench_control import OPERATIONS, replay, scheduler_step_cost
-    from kvfsm.workload import WorkloadConfig, generate_trace, read_jsonl, to_keys, trace_stats
+    from kvfsm.bench.control import OPERATIONS, replay, scheduler_step_cost
+    from kvfsm.bench.workload import WorkloadConfig, generate_trace, read_jsonl, to_keys, trace_stats
 
     source = str(opts.workload) if opts.workload else "generated (seed 0)"
     if opts.trace is not None:
@@ -462,10 +462,10 @@ def _generic_table(rows: list[dict[str, Any]]) -> str:
 def _section_transfers(opts: _Options, report: BenchReport) -> str:
     head = "(4) transfers: the data plane's copy benchmark\n"
     try:
-        module = importlib.import_module("kvfsm.data.bench_transfers")
+        module = importlib.import_module("kvfsm.bench.transfers")
     except ImportError as exc:
         report.results["transfers"] = {"available": False, "detail": f"not available ({exc})"}
-        return head + "  not available (kvfsm.data.bench_transfers is not installed, or torch is missing)"
+        return head + "  not available (kvfsm.bench.transfers is not installed, or torch is missing)"
     run: Callable[..., list[dict[str, Any]]] = module.run_transfer_bench
     with Progress(1, "transfers", enabled=opts.show_progress) as bar:
         try:
@@ -485,7 +485,7 @@ def _section_transfers(opts: _Options, report: BenchReport) -> str:
 
 
 def _section_verification(opts: _Options, report: BenchReport) -> str:
-    from kvfsm.bench_verify import checker_throughput, hypothesis_throughput
+    from kvfsm.bench.verify import checker_throughput, hypothesis_throughput
 
     with Progress(2, "verification", enabled=opts.show_progress) as bar:
         checker = checker_throughput(opts.quick)
@@ -587,7 +587,7 @@ def run_bench(
                 f"--workload applies only to the control section, which this run skips (sections {chosen}); "
                 "expected --only control or no --only"
             )
-        from kvfsm.workload import read_jsonl
+        from kvfsm.bench.workload import read_jsonl
 
         opts.trace = read_jsonl(opts.workload)
     out_path = require_output_file("output file", out) if out is not None else None

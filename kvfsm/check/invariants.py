@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from typing_extensions import override
+
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.scheduler import OffloadingScheduler
-from kvfsm.spec_loader import load_invariants
-from kvfsm.states import JOB_TERMINAL, EngineState, JobKind, RequestState, SlotState
+from kvfsm.machines.loader import load_invariants
+from kvfsm.machines.names import JOB_TERMINAL, EngineState, JobKind, RequestState, SlotState
 
 __all__ = ["CHECKERS", "SystemView", "Violation", "check_all"]
 
@@ -28,6 +30,7 @@ class Violation:
     invariant: str
     detail: str
 
+    @override
     def __str__(self) -> str:
         return f"{self.invariant}: {self.detail}"
 

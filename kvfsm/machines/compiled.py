@@ -10,7 +10,7 @@ In checked mode (``KVFSM_CHECKED=1`` or ``checked=True``) every fire also runs t
 itself and any disagreement raises :class:`~kvfsm.errors.SpecError`.
 
 ``fire`` returns the transition's effect as a member of the machine's effect enum
-(:mod:`kvfsm.states`), for the caller to carry out (h2-style). Transition tracers are registered with
+(:mod:`kvfsm.machines.names`), for the caller to carry out (h2-style). Transition tracers are registered with
 :func:`add_tracer` / :func:`remove_tracer` (any number, removed in any order). Tests plant a wrong guard
 or table row through :meth:`SpecMachine.planted`, never by touching the compiled table.
 The rules these machines follow are written down in ``spec/README.md``.
@@ -29,7 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from transitions import Machine, MachineError
 
 from kvfsm.errors import InvalidTransition, SpecError
-from kvfsm.spec_loader import MachineSpec, load_machine
+from kvfsm.machines.loader import MachineSpec, load_machine
 
 __all__ = [
     "CompiledEdge",

@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import override
 
 from kvfsm.control.config import DrainMode
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
 from kvfsm.errors import ConfigError
-from kvfsm.states import EngineState
+from kvfsm.machines.names import EngineState
 
 __all__ = [
     "FULL_SIZES_MIB",
@@ -71,6 +72,7 @@ class _BenchEngine(ReferenceEngine):
         super().__init__(config)
         self._patterns: dict[int, torch.Tensor] = {}
 
+    @override
     def expected_block(self, key: bytes, layer: int) -> torch.Tensor:
         pattern = self._patterns.get(layer)
         if pattern is None:
