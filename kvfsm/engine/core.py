@@ -112,9 +112,7 @@ class ReferenceEngine(EngineLoop):
         if len(workers) != cfg.world_size:
             raise ConfigError(f"got {len(workers)} workers; expected world_size={cfg.world_size}")
         super().__init__(
-            tokens_per_block=cfg.tokens_per_block,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            num_gpu_blocks=cfg.num_gpu_blocks,
+            cfg,
             memory=self.tensor_memory,
             scheduler=scheduler,
             workers=workers,

@@ -91,6 +91,19 @@ class _StepPlan:
     allocated: set[int] = field(default_factory=set)
 
 
+class LoopGeometry(Protocol):
+    """The sizes the loop schedules with (``EngineConfig`` and the stateful tests' ``SystemConfig`` have them)."""
+
+    @property
+    def tokens_per_block(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def num_gpu_blocks(self) -> int: ...
+
+
 class EngineLoop:
     """A small vLLM-like engine loop over a :class:`KVMemory`, the connector's scheduler half and W workers.
 
@@ -102,17 +115,16 @@ class EngineLoop:
 
     def __init__(
         self,
+        geometry: LoopGeometry,
         *,
-        tokens_per_block: int,
-        max_num_batched_tokens: int,
-        num_gpu_blocks: int,
         memory: KVMemory,
         scheduler: OffloadingScheduler,
         workers: list[OffloadingWorker],
         threaded: bool = True,
     ) -> None:
-        self.tokens_per_block = tokens_per_block
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tokens_per_block = geometry.tokens_per_block
+        self.max_num_batched_tokens = geometry.max_num_batched_tokens
+        num_gpu_blocks = geometry.num_gpu_blocks
         self.memory = memory
         self.scheduler = scheduler
         self.manager = scheduler.manager

@@ -25,9 +25,8 @@ from typing_extensions import override
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.deadlines import ManualClock
-from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler
-from kvfsm.control.types import GPUBlockSpec, OffloadKey, SlotSpec
+from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.control.worker import HeldCopyBackend, OffloadingWorker
 from kvfsm.engine.loop import EngineLoop
 from kvfsm.engine.requests import EngineRequest
@@ -116,9 +115,7 @@ class TagEngine(EngineLoop):
         scheduler = OffloadingScheduler(offload, manager, deadlines=config.deadlines, clock=clock)
         self.backends = [HeldCopyBackend(partial(self.tags.copy, rank)) for rank in range(config.world_size)]
         super().__init__(
-            tokens_per_block=config.tokens_per_block,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            num_gpu_blocks=config.num_gpu_blocks,
+            config,
             memory=self.tags,
             scheduler=scheduler,
             workers=[OffloadingWorker(rank, config.world_size, b) for rank, b in enumerate(self.backends)],
@@ -239,28 +236,12 @@ class ControlHarness(LoopHarness):
         self.hook = self.engine.hook
 
     @override
-    def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
-        out: list[str] = []
-        for rank, cpu in enumerate(self.engine.tags.cpu):
-            for sub, block_hash in enumerate(hashes):
-                if cpu.get((slot_id, sub)) != block_hash:
-                    out.append(
-                        f"readable key {key.hex()[:12]} (slot {slot_id}, block {sub}) holds the wrong bytes "
-                        f"on rank {rank}"
-                    )
-        return out
+    def slot_mismatches(self, rank: int, slot_id: int, sub: int, block_hash: bytes) -> list[str]:
+        return [] if self.engine.tags.cpu[rank].get((slot_id, sub)) == block_hash else [""]
 
     @override
-    def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
-        out: list[str] = []
-        for rank in sorted(ranks):
-            gpu = self.engine.tags.gpu[rank]
-            for block, block_hash in zip(job.gpu.block_ids, hashes, strict=True):
-                if gpu.get(block) != block_hash:
-                    out.append(
-                        f"GPU block {block} read by store job {job.job_id} was overwritten before rank {rank} copied it"
-                    )
-        return out
+    def gpu_mismatches(self, rank: int, block: int, block_hash: bytes) -> list[str]:
+        return [] if self.engine.tags.gpu[rank].get(block) == block_hash else [""]
 
     @override
     def close(self) -> None:

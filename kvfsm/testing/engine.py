@@ -21,8 +21,6 @@ import torch
 from typing_extensions import override
 
 from kvfsm.control.deadlines import ManualClock
-from kvfsm.control.job import Job
-from kvfsm.control.types import OffloadKey
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.layout import head_shard, shard_kv_caches
 from kvfsm.data.pool import CPUSlotPool
@@ -113,31 +111,22 @@ class EngineHarness(LoopHarness):
     # -- SystemHarness --
 
     @override
-    def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
-        out: list[str] = []
-        for rank, pool in enumerate(self.pools):
-            for sub, block_hash in enumerate(hashes):
-                for layer in range(pool.num_layers):
-                    if not torch.equal(pool.layers[layer][slot_id, sub], self.expected_block(block_hash, layer, rank)):
-                        out.append(
-                            f"readable key {key.hex()[:12]} (slot {slot_id}, block {sub}, layer {layer}) holds the "
-                            f"wrong bytes on rank {rank}"
-                        )
-        return out
+    def slot_mismatches(self, rank: int, slot_id: int, sub: int, block_hash: bytes) -> list[str]:
+        pool = self.pools[rank]
+        return [
+            f", layer {layer}"
+            for layer in range(pool.num_layers)
+            if not torch.equal(pool.layers[layer][slot_id, sub], self.expected_block(block_hash, layer, rank))
+        ]
 
     @override
-    def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
-        out: list[str] = []
-        for rank in sorted(ranks):
-            heads = self._shards[rank]
-            for block, block_hash in zip(job.gpu.block_ids, hashes, strict=True):
-                for layer, kv in enumerate(self.engine.kv_caches):
-                    if not torch.equal(kv[block][:, heads].cpu(), self.expected_block(block_hash, layer, rank)):
-                        out.append(
-                            f"GPU block {block} read by store job {job.job_id} was overwritten before rank {rank} "
-                            "copied it"
-                        )
-        return out
+    def gpu_mismatches(self, rank: int, block: int, block_hash: bytes) -> list[str]:
+        heads = self._shards[rank]
+        return [
+            f", layer {layer}"
+            for layer, kv in enumerate(self.engine.kv_caches)
+            if not torch.equal(kv[block][:, heads].cpu(), self.expected_block(block_hash, layer, rank))
+        ]
 
     @override
     def close(self) -> None:

@@ -114,40 +114,38 @@ class CompletionHook:
             self.callback(kind, tuple(keys))
 
 
-class CountingCPUManager(CPUOffloadingManager):
+class _CountsCompletions(OffloadingManager):
+    """Reports every complete_store / complete_load to :attr:`hook`, then lets the manager it is mixed into
+    (next in the MRO) complete it."""
+
+    hook: CompletionHook
+
+    @override
+    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
+        self.hook(JobKind.STORE, keys)
+        # The next class in the MRO is the concrete manager this is mixed into, not the abstract base.
+        super().complete_store(keys, ctx, success)  # type: ignore[safe-super]
+
+    @override
+    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
+        self.hook(JobKind.LOAD, keys)
+        super().complete_load(keys, ctx)  # type: ignore[safe-super]
+
+
+class CountingCPUManager(_CountsCompletions, CPUOffloadingManager):
     """The CPU manager, reporting every complete_store / complete_load to :attr:`hook`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
 
-    @override
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        self.hook(JobKind.STORE, keys)
-        super().complete_store(keys, ctx, success)
 
-    @override
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.hook(JobKind.LOAD, keys)
-        super().complete_load(keys, ctx)
-
-
-class CountingTieringManager(TieringManager):
+class CountingTieringManager(_CountsCompletions, TieringManager):
     """The tiering manager, reporting every complete_store / complete_load to :attr:`hook`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hook = CompletionHook()
-
-    @override
-    def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        self.hook(JobKind.STORE, keys)
-        super().complete_store(keys, ctx, success)
-
-    @override
-    def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
-        self.hook(JobKind.LOAD, keys)
-        super().complete_load(keys, ctx)
 
 
 def make_manager(
@@ -246,13 +244,34 @@ class SystemHarness(ABC):
         """Blocks loaded back that differ from what was stored (the engine verifies each finished load)."""
 
     @abstractmethod
-    def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
-        """What is wrong with the bytes of readable slot ``slot_id`` (chunk ``key`` of blocks ``hashes``)."""
+    def slot_mismatches(self, rank: int, slot_id: int, sub: int, block_hash: bytes) -> list[str]:
+        """Where rank ``rank``'s copy of block ``sub`` of slot ``slot_id`` does not hold content ``block_hash``,
+        read from the data plane: one entry per wrong part (e.g. ``", layer 1"``; ``""`` for a cell that has no
+        parts), empty when it holds the right bytes."""
 
     @abstractmethod
+    def gpu_mismatches(self, rank: int, block: int, block_hash: bytes) -> list[str]:
+        """Where rank ``rank``'s GPU block ``block`` does not hold content ``block_hash`` (as
+        :meth:`slot_mismatches`)."""
+
+    def slot_violations(self, key: OffloadKey, slot_id: int, hashes: Sequence[bytes]) -> list[str]:
+        """What is wrong with the bytes of readable slot ``slot_id`` (chunk ``key`` of blocks ``hashes``)."""
+        return [
+            f"readable key {key.hex()[:12]} (slot {slot_id}, block {sub}{where}) holds the wrong bytes on rank {rank}"
+            for rank in range(self.config.world_size)
+            for sub, block_hash in enumerate(hashes)
+            for where in self.slot_mismatches(rank, slot_id, sub, block_hash)
+        ]
+
     def source_violations(self, job: Job, ranks: set[int], hashes: Sequence[bytes]) -> list[str]:
         """What is wrong with store ``job``'s GPU source blocks on ``ranks`` (whose copies have not run);
         ``hashes[i]`` is the content block ``job.gpu.block_ids[i]`` must still hold."""
+        return [
+            f"GPU block {block}{where} read by store job {job.job_id} was overwritten before rank {rank} copied it"
+            for rank in sorted(ranks)
+            for block, block_hash in zip(job.gpu.block_ids, hashes, strict=True)
+            for where in self.gpu_mismatches(rank, block, block_hash)
+        ]
 
     @abstractmethod
     def shutdown(self, timeout: float | None) -> None:
