@@ -49,11 +49,11 @@ class EmuRig:
 
     @property
     def store_stream(self) -> object:
-        return self.backend._streams[True]
+        return self.backend.stream(is_store=True)
 
     @property
     def load_stream(self) -> object:
-        return self.backend._streams[False]
+        return self.backend.stream(is_store=False)
 
 
 @pytest.fixture(params=["dma", "runs", "kernel"])

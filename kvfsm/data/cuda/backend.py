@@ -291,6 +291,10 @@ class CudaCopyBackend(CopyStatsMixin):
     def num_inflight(self) -> int:
         return len(self._inflight)
 
+    def stream(self, is_store: bool) -> Any:
+        """The dedicated stream of one direction (stores or loads): every copy of that direction runs on it."""
+        return self._streams[is_store]
+
     @property
     def calibration(self) -> CalibrationTable | None:
         return self._calibration
