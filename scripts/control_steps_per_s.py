@@ -1,6 +1,6 @@
 """Steps per second of the control-plane stateful machine (ControlPlaneStateMachine).
 
-Runs the machine under a fixed, derandomized Hypothesis profile (kvfsm.bench.verify._count_steps: a
+Runs the machine under a fixed, derandomized Hypothesis profile (kvfsm.bench.verify.count_steps: a
 fixed seed, no database, no shrinking) for a fixed number of examples and steps, three times, and prints
 the median steps per second. Usage: ``python scripts/control_steps_per_s.py [examples] [steps]``.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from kvfsm.bench.verify import _count_steps
+from kvfsm.bench.verify import count_steps
 from kvfsm.testing.control import ControlPlaneStateMachine
 
 
@@ -19,7 +19,7 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 50
     rates = []
     for _ in range(3):
-        n, machines, seconds = _count_steps(ControlPlaneStateMachine, examples, steps)
+        n, machines, seconds = count_steps(ControlPlaneStateMachine, examples, steps)
         rates.append(n / seconds)
         print(f"{n} steps in {machines} examples, {seconds:.2f} s: {n / seconds:.0f} steps/s", flush=True)
     print(f"median: {statistics.median(rates):.0f} steps/s")

@@ -169,7 +169,7 @@ def _machine_classes(module: ModuleType) -> list[type]:
     return found
 
 
-def _count_steps(cls: type, max_examples: int, step_count: int) -> tuple[int, int, float]:
+def count_steps(cls: type, max_examples: int, step_count: int) -> tuple[int, int, float]:
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -216,7 +216,7 @@ def hypothesis_throughput(quick: bool = False) -> list[VerifyResult]:
         for cls in _machine_classes(module):
             target = f"{name.rsplit('.', 1)[-1]}.{cls.__name__}"
             try:
-                n, machines, seconds = _count_steps(cls, examples, steps)
+                n, machines, seconds = count_steps(cls, examples, steps)
             except Exception as exc:  # a failing property is a finding, not a benchmark crash
                 out.append(VerifyResult("hypothesis", target, False, f"run failed: {type(exc).__name__}: {exc}"))
                 continue
