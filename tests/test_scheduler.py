@@ -36,6 +36,7 @@ from kvfsm.errors import (
     DuplicateRequestError,
     KeyNotReadyError,
     UnknownJobError,
+    UnknownRequestError,
 )
 from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
 
@@ -118,7 +119,7 @@ def snapshot(h: Harness, keys: Iterable[OffloadKey], req_ids: Iterable[str]) -> 
     s = h.sched
     return {
         "jobs": {j: (job.state, job.pending, job.launched_mask, job.failed_reports) for j, job in s.jobs().items()},
-        "requests": {r: (s.request_state(r), s.request_jobs(r)) for r in req_ids},
+        "requests": {r: (s.request_state(r) if s.is_tracked(r) else None, s.request_jobs(r)) for r in req_ids},
         "slots": {k: (h.manager.slot_state(k), h.manager.ref_cnt(k), h.manager.slot_id(k)) for k in keys},
         "stats": dataclasses.asdict(s.stats),
         "manager": h.manager.stats(),
@@ -161,7 +162,9 @@ def test_last_stores_drain_without_flush_and_commit_on_the_wth_ack(world_size: i
     assert [h.lookup(k) for k in keys] == [LookupResult.HIT] * 2
     assert h.sched.stats.committed_stores == 1
     assert not h.sched.has_pending_push_work()
-    assert not h.sched.is_tracked("A") and h.sched.request_state("A") is RequestState.DELETED
+    assert not h.sched.is_tracked("A")
+    with pytest.raises(UnknownRequestError):
+        h.sched.request_state("A")  # the record is dropped at delete
     assert h.sched.fenced_blocks() == {}
 
 
@@ -543,6 +546,29 @@ def test_unknown_job_ids_at_or_above_the_stale_threshold_raise_and_change_nothin
     assert h.sched.stats.stale_reports_ignored == 1
     with pytest.raises(UnknownJobError):
         h.sched.update_connector_output(WorkerOutput(completed={threshold: 1}))
+
+
+@pytest.mark.parametrize("after_reset", [False, True])
+def test_a_negative_job_id_is_unknown_not_stale_and_changes_nothing(after_reset: bool) -> None:
+    # Regression (issue 13, bug 5): below a threshold of 0, a never-issued negative id was counted as stale.
+    h, a, b, _, job_b = _two_jobs()
+    if after_reset:
+        h.sched.reset_cache()
+    keys = h.keys(a) + h.keys(b)
+    before = snapshot(h, keys, ["A", "B"])
+    for output in (WorkerOutput(completed={job_b: 1, -1: 1}), WorkerOutput(failed={-5: 1})):
+        with pytest.raises(UnknownJobError, match="never issues"):
+            h.sched.update_connector_output(output)
+        assert snapshot(h, keys, ["A", "B"]) == before
+    assert h.sched.stats.stale_reports_ignored == 0
+
+
+def test_request_state_of_an_id_never_seen_raises() -> None:
+    # Regression (issue 13, bug 5): an id never seen answered DELETED.
+    h = Harness()
+    with pytest.raises(UnknownRequestError, match="'nobody' is not tracked"):
+        h.sched.request_state("nobody")
+    assert not h.sched.is_tracked("nobody")
 
 
 @pytest.mark.parametrize(

@@ -91,10 +91,9 @@ def gpu_source_not_overwritten(view: SystemView) -> list[str]:
     for job in s.jobs().values():
         if job.kind is not JobKind.STORE:
             continue
-        if s.request_state(job.req_id) not in (
+        if s.is_tracked(job.req_id) and s.request_state(job.req_id) not in (
             RequestState.FINISHED_UNSIGNALLED,
             RequestState.FINISHED_SIGNALLED,
-            RequestState.DELETED,
         ):
             continue  # the running request's own reference protects its blocks
         for block in job.gpu.block_ids:

@@ -380,10 +380,9 @@ class Harness:
                 continue
             del self.loading[rid]
             h = self.requests[rid]
-            if self.sched.request_state(rid) in (
+            if not self.sched.is_tracked(rid) or self.sched.request_state(rid) in (
                 RequestState.FINISHED_UNSIGNALLED,
                 RequestState.FINISHED_SIGNALLED,
-                RequestState.DELETED,
             ):
                 h.eng, h.group = E_DONE, -1
                 continue
@@ -445,7 +444,7 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
     reqs = []
     for rid in rids:
         r = h.requests[rid]
-        phase = sched.request_state(rid)
+        phase = sched.request_state(rid) if sched.is_tracked(rid) else RequestState.DELETED
         if r.eng == E_RUN:
             pos = h.running.index(rid)
         elif r.eng == E_LOAD:

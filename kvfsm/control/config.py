@@ -12,6 +12,8 @@ __all__ = ["DrainMode", "OffloadConfig"]
 
 
 class DrainMode(StrEnum):
+    """How the engine finishes the last transfers once no request is left (spec/README.md, "the drain")."""
+
     #: has_pending_push_work() keeps the engine stepping; nothing blocks (vLLM #45595).
     NONBLOCKING = "nonblocking"
     #: The old behaviour (vLLM #42611): once no live request remains, flush every job with a blocking

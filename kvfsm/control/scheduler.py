@@ -259,8 +259,16 @@ class OffloadingScheduler:
         return pending_push_work(self._jobs.values(), self.manager.has_pending_work)
 
     def request_state(self, req_id: str) -> RequestState:
+        """The state of a tracked request. An untracked id (never seen, or deleted: a request's record is
+        dropped when it reaches ``deleted``) raises :class:`UnknownRequestError`; :meth:`is_tracked` asks
+        without raising."""
         st = self._requests.get(req_id)
-        return RequestState.DELETED if st is None else st.state
+        if st is None:
+            raise UnknownRequestError(
+                f"request {req_id!r} is not tracked (never seen, or already deleted); "
+                "expected the id of a request the connector tracks"
+            )
+        return st.state
 
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -618,6 +626,11 @@ class OffloadingScheduler:
         threshold = self._stale_threshold
         for reports, what in ((output.completed, "acks"), (output.failed, "failures")):
             for job_id, count in reports.items():
+                if job_id < 0:
+                    raise UnknownJobError(
+                        f"worker reported {what} for job {job_id}, an id the scheduler never issues; "
+                        f"expected an id >= 0 (ids {threshold}..{self._job_counter - 1} are current)"
+                    )
                 if job_id < threshold:
                     continue
                 job = self._jobs.get(job_id)

@@ -26,6 +26,8 @@ def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
 
 
 class LookupResult(Enum):
+    """What a tier answers for one key (vLLM's lookup outcome, plus HIT_PENDING and RETRY)."""
+
     MISS = "miss"  #: not offloaded
     HIT = "hit"  #: offloaded and readable
     HIT_PENDING = "hit_pending"  #: present, but its store (or promotion) is still in flight

@@ -28,6 +28,8 @@ __all__ = [
 
 
 class JobKind(StrEnum):
+    """The four kinds of transfer job (spec/job.toml); each names the direction of its copy."""
+
     STORE = "store"  #: GPU -> CPU primary
     LOAD = "load"  #: CPU primary -> GPU
     CASCADE = "cascade"  #: CPU primary -> secondary tier
@@ -35,6 +37,8 @@ class JobKind(StrEnum):
 
 
 class JobState(StrEnum):
+    """The states of a transfer job (spec/job.toml ``states``); five of them are terminal."""
+
     #: Planned and emitted in the step's metadata; no worker has launched its shard yet.
     SUBMITTED = "submitted"
     #: At least one worker launched; reports are still outstanding.
@@ -52,6 +56,8 @@ class JobState(StrEnum):
 
 
 class JobEvent(StrEnum):
+    """The events a job machine accepts (spec/job.toml ``[[transitions]]``)."""
+
     LAUNCH = "launch"
     ACK = "ack"
     FAIL = "fail"
@@ -69,6 +75,8 @@ class JobEffect(StrEnum):
 
 
 class SlotState(StrEnum):
+    """The states of one key's slot in a tier (spec/slot.toml); vLLM's ref count is a view of it."""
+
     #: The tier does not hold the key (the slot does not exist).
     ABSENT = "absent"
     #: A store or promotion is filling it (ref -1); lookups answer HIT_PENDING.
@@ -80,6 +88,8 @@ class SlotState(StrEnum):
 
 
 class SlotEvent(StrEnum):
+    """The events a slot machine accepts (spec/slot.toml ``[[transitions]]``)."""
+
     BEGIN_WRITE = "begin_write"
     COMMIT_WRITE = "commit_write"
     ABORT_WRITE = "abort_write"
@@ -97,6 +107,8 @@ class SlotEffect(StrEnum):
 
 
 class RequestState(StrEnum):
+    """The connector's view of a request (spec/request.toml), from its first lookup to its deletion."""
+
     #: Known to the connector, not yet scheduled.
     TRACKED = "tracked"
     #: Its lookup is waiting on chunks that are not readable yet (HIT_PENDING / RETRY).
@@ -116,6 +128,8 @@ class RequestState(StrEnum):
 
 
 class RequestEvent(StrEnum):
+    """The events a request machine accepts (spec/request.toml ``[[transitions]]``)."""
+
     DEFER = "defer"
     START_LOAD = "start_load"
     SCHEDULE = "schedule"
@@ -134,6 +148,8 @@ class RequestEffect(StrEnum):
 
 
 class EngineState(StrEnum):
+    """The engine loop's states (spec/engine.toml): busy, draining push work, idle, shut down."""
+
     #: No request and no pending push work: the loop may sleep.
     IDLE = "idle"
     #: Requests are running.
@@ -149,6 +165,8 @@ class EngineState(StrEnum):
 
 
 class EngineEvent(StrEnum):
+    """The events the engine machine accepts (spec/engine.toml ``[[transitions]]``)."""
+
     ADMIT = "admit"
     ALL_FINISHED = "all_finished"
     SETTLE = "settle"
