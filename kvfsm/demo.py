@@ -148,7 +148,7 @@ def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | No
     )
     print(
         f"  CPU tier: lookups {m.lookups}, hits {m.hits}, misses {m.misses}, "
-        f"hit_pending {m.hit_pending}, evictions {m.evictions}"
+        f"hit_pending {m.hit_pending}, retries {m.lookup_retries}, evictions {m.evictions}"
     )
     integ = engine.integrity
     print(

@@ -152,7 +152,29 @@ def test_lookup_per_state_and_ref_cnt_view() -> None:
     assert m.lookup(k(0), CTX) is LookupResult.HIT
     assert (m.slot_state(k(0)), m.ref_cnt(k(0))) == (RD, 2)
     s = m.stats()
-    assert (s.lookups, s.misses, s.hit_pending, s.hits) == (4, 1, 1, 2)
+    # One request ("probe") asked four times: one distinct lookup, counted under its latest answer.
+    assert (s.lookups, s.misses, s.hit_pending, s.hits, s.lookup_retries) == (1, 0, 0, 1, 3)
+
+
+def test_a_deferred_requests_retries_are_counted_apart_from_its_lookups() -> None:
+    # Regression (issue 13, bug 8): every per-step retry of a deferred request counted as a lookup (the
+    # demo showed 998 lookups for 11 misses). vLLM counts each request's lookup once.
+    m = CPUOffloadingManager(4)
+    a, b = ReqContext("a"), ReqContext("b")
+    m.prepare_store(keys(0), CTX)
+    for _ in range(100):
+        assert m.lookup(k(0), a) is LookupResult.HIT_PENDING  # a waits, asking every step
+    assert m.lookup(k(1), a) is LookupResult.MISS
+    s = m.stats()
+    assert (s.lookups, s.hit_pending, s.misses, s.hits, s.lookup_retries) == (2, 1, 1, 0, 99)
+    m.complete_store(keys(0), CTX)
+    assert m.lookup(k(0), a) is LookupResult.HIT  # the wait ends: the same lookup, now a hit
+    assert m.lookup(k(0), b) is LookupResult.HIT  # another request's lookup is a lookup of its own
+    s = m.stats()
+    assert (s.lookups, s.hit_pending, s.misses, s.hits, s.lookup_retries) == (3, 0, 1, 2, 100)
+    assert s.lookups == s.hits + s.misses + s.hit_pending
+    m.on_request_finished(a)  # forgets a's answers; the counts stay
+    assert m.stats().lookups == 3
 
 
 # -- store path --

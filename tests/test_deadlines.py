@@ -3,6 +3,7 @@ run, and cascade backpressure. Time is a ManualClock: nothing here sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -35,11 +36,52 @@ def key(i: int) -> OffloadKey:
 def test_deadlines_validate_and_map_kinds() -> None:
     d = Deadlines(store_s=1, load_s=2, cascade_s=3, promote_s=4, lookup_wait_s=5)
     assert [d.for_kind(kd) for kd in (JobKind.STORE, JobKind.LOAD, JobKind.CASCADE, JobKind.PROMOTE)] == [1, 2, 3, 4]
-    assert Deadlines.uniform(2.5) == Deadlines(2.5, 2.5, 2.5, 2.5, 2.5)
-    assert not Deadlines().any_job_deadline and d.any_job_deadline
+    assert Deadlines.uniform(2.5) == Deadlines(2.5, 2.5, 2.5, 2.5, 2.5, 2.5)
+    assert not Deadlines.none().any_job_deadline and d.any_job_deadline
+    assert all(getattr(Deadlines.none(), f.name) is None for f in dataclasses.fields(Deadlines))
     for bad in (0, -1, float("inf"), float("nan"), True):
         with pytest.raises(ConfigError, match="expected a finite number of seconds"):
             Deadlines(store_s=bad)
+
+
+def test_the_defaults_bound_every_waiting_state() -> None:
+    # Regression (issue 13, bug 6): with nothing configured no state had a deadline.
+    d = Deadlines()
+    assert {f.name: getattr(d, f.name) for f in dataclasses.fields(d)} == {
+        "store_s": 30.0,
+        "load_s": 30.0,
+        "cascade_s": 60.0,
+        "promote_s": 30.0,
+        "lookup_wait_s": 5.0,
+        "shutdown_s": 20.0,
+    }
+    assert d.any_job_deadline
+
+
+def test_a_hit_pending_wait_ends_by_default() -> None:
+    # Regression (issue 13, bug 6): with no deadlines configured a HIT_PENDING wait lasted as long as the
+    # store took (forever for a hung store). The default lookup_wait_s ends it after 5 s.
+    clock = ManualClock()
+    manager = CPUOffloadingManager(16)
+    sched = OffloadingScheduler(OffloadConfig(TPB), manager, clock=clock)  # nothing configured
+    workers = LoopbackWorkers(1)
+    first = FakeRequest("a", tokens("a", 17), TPB)
+    assert sched.get_num_new_matched_tokens(first, 0) == (0, False)
+    sched.update_state_after_alloc(first, list(range(5)), 0)
+    workers.deliver(
+        sched.build_connector_meta(
+            SchedulerOutput(
+                (ScheduledRequest("a", tuple(range(5)), 17, admitted=True),), allocated_block_ids=frozenset(range(5))
+            )
+        )
+    )  # its store never completes: a hung copy
+    second = FakeRequest("b", first.token_ids, TPB)
+    for _ in range(4):
+        assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
+        clock.advance(1.0)
+    clock.advance(1.0)
+    assert sched.get_num_new_matched_tokens(second, 0) == (0, False)  # waited 5 s: computes it instead
+    assert sched.stats.lookup_wait_timeouts == 1
 
 
 def test_deadline_queue_and_manual_clock() -> None:
@@ -204,7 +246,7 @@ def test_hit_pending_waits_end_after_lookup_wait_s() -> None:
 
 
 def test_no_deadlines_means_no_timeouts() -> None:
-    rig = Rig(deadlines=Deadlines())
+    rig = Rig(deadlines=Deadlines.none())
     req = rig.request("a", "a")
     jid = rig.store(req, range(5))
     rig.clock.advance(1e9)
@@ -214,10 +256,10 @@ def test_no_deadlines_means_no_timeouts() -> None:
 
 
 def test_abandon_jobs_cancels_unlaunched_and_times_out_launched() -> None:
-    rig = Rig(deadlines=Deadlines())
+    rig = Rig(deadlines=Deadlines.none())
     launched = rig.store(rig.request("a", "a"), range(5))
     unlaunched = rig.store(rig.request("b", "b"), range(5, 10), deliver=False)
-    assert rig.sched.abandon_jobs() == (1, 1)
+    assert rig.sched.abandon_jobs() == (1, 1, 0)
     assert rig.workers.jobs[launched].state is JobState.TIMED_OUT
     assert rig.sched.stats.cancelled_jobs == 1 and not rig.sched.is_quarantined(unlaunched)
     assert rig.sched.is_quarantined(launched)
@@ -307,7 +349,7 @@ def test_a_timed_out_promotion_never_commits_and_is_retried_after() -> None:
 
 
 def test_shutdown_releases_everything_tiers_never_reported() -> None:
-    tm, primary, tier, _clock = tiering(deadlines=Deadlines())
+    tm, primary, tier, _clock = tiering(deadlines=Deadlines.none())
     store(tm, 0)
     tier.put(key(5))
     assert tm.lookup(key(5), R1) is PENDING
@@ -355,7 +397,7 @@ def test_backpressure_ema_with_warmup_and_hysteresis() -> None:
 
 def test_backpressure_drops_cascades_to_a_slow_tier_but_never_promotions() -> None:
     tm, primary, tier, clock = tiering(
-        deadlines=Deadlines(),
+        deadlines=Deadlines.none(),
         backpressure=BackpressureConfig(high_water_s=1.0, low_water_s=0.5, warmup=2),
         num_slots=16,
     )
@@ -392,7 +434,7 @@ def test_backpressure_drops_cascades_to_a_slow_tier_but_never_promotions() -> No
 
 def test_a_hung_cascade_puts_its_tier_under_pressure() -> None:
     tm, _primary, tier, clock = tiering(
-        deadlines=Deadlines(), backpressure=BackpressureConfig(high_water_s=1.0, low_water_s=0.5, warmup=3)
+        deadlines=Deadlines.none(), backpressure=BackpressureConfig(high_water_s=1.0, low_water_s=0.5, warmup=3)
     )
     store(tm, 0)
     clock.advance(2.0)  # the first cascade is stuck (warm-up or not)
@@ -463,3 +505,35 @@ def test_engine_moves_on_from_a_hung_load_and_quarantines_its_gpu_blocks() -> No
         plan.release_hangs()
         report = engine.shutdown(timeout=GUARD_S)
     assert report.quarantine_abandoned == 0
+
+
+def test_compaction_at_scale_keeps_only_live_ids_in_deadline_order() -> None:
+    # Issue 13, bug 10: compaction tested where it matters, with 100k finished jobs in the heap.
+    n = 100_000
+    q = DeadlineQueue()
+    live: set[int] = set()
+    for job_id in range(n):
+        q.push(job_id, float((job_id * 7919) % n))  # deadlines out of id order
+        if job_id % 1000 == 0:
+            live.add(job_id)  # 1 in 1000 still running; the rest finished
+    assert len(q) == n
+    q.compact(live, len(live))
+    assert len(q) == len(live)  # every finished job's entry is gone
+    expected = sorted(live, key=lambda j: (j * 7919) % n)
+    assert q.pop_expired(float(n)) == expected
+    assert len(q) == 0
+
+
+def test_compaction_keeps_the_heap_bounded_while_jobs_come_and_go() -> None:
+    # As the scheduler uses it: one compact per step, jobs finish soon after they start. The heap never
+    # holds more than 2 x live + 64 entries after a compaction, and the work stays linear overall.
+    q = DeadlineQueue()
+    live: dict[int, float] = {}
+    for job_id in range(100_000):
+        q.push(job_id, job_id + 30.0)
+        live[job_id] = job_id + 30.0
+        live.pop(job_id - 8, None)  # at most 8 jobs in flight
+        q.compact(live, len(live))
+        assert len(q) <= 2 * len(live) + 65
+    # Removal is lazy: dead entries may remain (callers skip them), but no live one is ever lost.
+    assert [j for j in q.pop_expired(1e12) if j in live] == sorted(live)

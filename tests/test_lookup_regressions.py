@@ -18,8 +18,8 @@ TPB = 4
 
 def test_expired_wait_never_loads_a_hit_evicted_by_the_same_scans_promotion() -> None:
     # Two CPU slots. The scan hits chunk 0; chunk 1 is only in the secondary tier, and reserving its
-    # promotion evicts chunk 0 (the least recently used ready slot). With the lookup wait already expired
-    # the request must not be told to load chunk 0 (prepare_load would find it absent).
+    # promotion used to evict chunk 0 (the least recently used ready slot). With the lookup wait already
+    # expired the request must not be told to load a chunk the reservation may have evicted.
     primary = CPUOffloadingManager(2)
     tier = InMemoryTier("mem")
     manager = TieringManager(primary, [tier])
@@ -42,7 +42,9 @@ def test_expired_wait_never_loads_a_hit_evicted_by_the_same_scans_promotion() ->
 
     num, _ = sched.get_num_new_matched_tokens(req, 0)
     assert sched.stats.lookup_wait_timeouts == 1
-    assert primary.slot_state(k0) is SlotState.ABSENT  # evicted by chunk 1's reservation
-    assert num == 0  # so nothing is loaded: the request computes both chunks
+    # Chunk 0 is this scan's hit, so chunk 1's reservation may not evict it (spec/README.md, "A lookup
+    # always makes progress"): k2 goes instead.
+    assert primary.slot_state(k0) is SlotState.READY and primary.slot_state(k2) is SlotState.ABSENT
+    assert num == 0  # the wait expired on a chunk that is not a HIT: the request computes both chunks
     sched.update_state_after_alloc(req, [0, 1, 2], 0)
     assert sched.request_jobs("r") == frozenset()

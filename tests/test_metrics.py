@@ -189,7 +189,9 @@ def test_engine_and_request_states_from_a_scheduler(clock: FakeClock) -> None:
         clock.advance(1.0)
         sched.update_connector_output(workers.report_all())
     snap = m.snapshot()
-    assert snap["tiers"] == {"cpu": {"lookups": 1, "hits": 0, "misses": 1, "hit_pending": 0, "evictions": 0}}
+    assert snap["tiers"] == {
+        "cpu": {"lookups": 1, "hits": 0, "misses": 1, "hit_pending": 0, "lookup_retries": 0, "evictions": 0}
+    }
     assert snap["allocation_failures"] == 1  # 4 chunks do not fit in 2 slots
     assert m.time_in_state("request", "request", "tracked")[0] == 1
     with pytest.raises(ConfigError):

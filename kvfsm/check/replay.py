@@ -58,6 +58,7 @@ from kvfsm.check.model import (
 )
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines
 from kvfsm.control.decisions import settle_event
 from kvfsm.control.job import Job
 from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
@@ -202,10 +203,13 @@ class Harness:
         self.primary = CPUOffloadingManager(b.slots, checked=checked)
         self.tier = LoopbackTier(self.key_ids) if b.tiers else None
         self.manager: OffloadingManager = (
-            TieringManager(self.primary, [self.tier], checked=checked) if self.tier is not None else self.primary
+            TieringManager(self.primary, [self.tier], checked=checked, deadlines=Deadlines.none())
+            if self.tier is not None
+            else self.primary
         )
         self.config = OffloadConfig(TOKENS_PER_BLOCK, 1, b.workers)
-        self.sched = OffloadingScheduler(self.config, self.manager, checked=checked)
+        # The model has no clock: no deadline may fire while an edge is replayed.
+        self.sched = OffloadingScheduler(self.config, self.manager, checked=checked, deadlines=Deadlines.none())
         self.backends = [HeldCopyBackend() for _ in range(b.workers)]
         self.workers = [OffloadingWorker(r, b.workers, backend) for r, backend in enumerate(self.backends)]
         self.engine = _Engine(self.sched)

@@ -23,11 +23,25 @@ class DrainMode(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
+    """The connector's scheduler half: the geometry of what it offloads and how the engine drains.
+
+    Validated at construction (``ConfigError`` naming the field and what was expected).
+    """
+
+    #: Tokens per GPU KV block (required, >= 1). vLLM: ``--block-size`` (``CacheConfig.block_size``).
     tokens_per_block: int
+    #: GPU blocks per offloaded chunk, the unit of every lookup, store and load and one CPU slot
+    #: (default 1, >= 1). vLLM: the offloading connector's ``kv_connector_extra_config["block_size"]``
+    #: (in tokens) divided by ``--block-size``.
     blocks_per_chunk: int = 1
+    #: Workers (tensor-parallel ranks) that copy every job; a job commits when all of them acked it
+    #: (default 1, >= 1). vLLM: ``--tensor-parallel-size``.
     world_size: int = 1
+    #: How the engine finishes the last transfers once no request is left (default non-blocking, as vLLM
+    #: since #45595; ``BLOCKING`` is the pre-#45595 flush, kept as a benchmark baseline). vLLM: no flag.
     drain: DrainMode = DrainMode.NONBLOCKING
-    #: Offload only prompt tokens (vLLM's default); False also offloads generated tokens.
+    #: True offloads only prompt tokens (as vLLM's offloading connector does); False (the default) also
+    #: offloads generated tokens once they fill a chunk. vLLM: no such flag.
     offload_prompt_only: bool = False
 
     def __post_init__(self) -> None:

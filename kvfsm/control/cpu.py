@@ -47,12 +47,23 @@ def is_evictable(state: SlotState) -> bool:
 
 @dataclass(slots=True)
 class CPUCounters:
-    """What a CPU manager has counted since it was built (a reset keeps the counts)."""
+    """What a CPU manager has counted since it was built (a reset keeps the counts).
 
+    Lookups are counted as vLLM counts them: once per request and key, under the key's latest answer to
+    that request, so ``lookups == hits + misses + hit_pending`` always. A deferred request asks again
+    every step; those repeats are ``lookup_retries``, and they only move the key to its new answer.
+    """
+
+    #: Distinct (request, key) lookups.
     lookups: int = 0
+    #: Of those, the ones whose latest answer was HIT.
     hits: int = 0
+    #: ... MISS.
     misses: int = 0
+    #: ... HIT_PENDING (the request was still waiting on the key's store or promotion).
     hit_pending: int = 0
+    #: Repeated lookups of a key by a request that already asked for it (per-step retries of a deferral).
+    lookup_retries: int = 0
     evictions: int = 0
     stores_committed: int = 0
     stores_failed: int = 0
@@ -68,6 +79,7 @@ class CPUStats:
     hits: int
     misses: int
     hit_pending: int
+    lookup_retries: int
     evictions: int
     stores_committed: int
     stores_failed: int
@@ -154,6 +166,7 @@ class CPUOffloadingManager(OffloadingManager):
     """``num_slots`` CPU slots with an eviction policy; GPU stores/loads and tier promotions/cascades."""
 
     __slots__ = (
+        "_answers",
         "_events",
         "_free_ids",
         "_machine",
@@ -194,6 +207,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_reading = 0
         self._events: list[OffloadingEvent] = []
         self._stats = CPUCounters()
+        # Per request: the latest answer to each key it looked up (dropped when the request finishes), so a
+        # retry is counted as one, not as another lookup.
+        self._answers: dict[str, dict[OffloadKey, LookupResult]] = {}
 
     # -- introspection --
 
@@ -269,17 +285,42 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        stats = self._stats
-        stats.lookups += 1
         slot = self._slots.get(key)
         if slot is None:
-            stats.misses += 1
-            return LookupResult.MISS
-        if slot.state is SlotState.WRITING:
-            stats.hit_pending += 1
-            return LookupResult.HIT_PENDING
-        stats.hits += 1
-        return LookupResult.HIT
+            result = LookupResult.MISS
+        elif slot.state is SlotState.WRITING:
+            result = LookupResult.HIT_PENDING
+        else:
+            result = LookupResult.HIT
+        self._count_lookup(ctx.req_id, key, result)
+        return result
+
+    def _count_lookup(self, req_id: str, key: OffloadKey, result: LookupResult) -> None:
+        stats = self._stats
+        answers = self._answers.setdefault(req_id, {})
+        before = answers.get(key)
+        answers[key] = result
+        if before is None:
+            stats.lookups += 1
+        else:
+            stats.lookup_retries += 1
+            if before is result:
+                return
+            self._bump(before, -1)
+        self._bump(result, 1)
+
+    def _bump(self, result: LookupResult, by: int) -> None:
+        stats = self._stats
+        if result is LookupResult.HIT:
+            stats.hits += by
+        elif result is LookupResult.MISS:
+            stats.misses += by
+        else:
+            stats.hit_pending += by
+
+    @override
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        self._answers.pop(ctx.req_id, None)
 
     @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
@@ -337,11 +378,13 @@ class CPUOffloadingManager(OffloadingManager):
         self._next_id = 0
         self._free_ids.clear()
         self._num_writing = self._num_ready = self._num_reading = 0
+        self._answers.clear()  # a lookup after the reset is a new one
 
     # -- tier side (CPU primary of a tiering manager) --
 
-    def prepare_write(self, keys: Sequence[OffloadKey]) -> SlotSpec | None:
-        """Reserve writing slots for absent keys (a promotion); None when they cannot fit now.
+    def prepare_write(self, keys: Sequence[OffloadKey], protected: Set[OffloadKey] = frozenset()) -> SlotSpec | None:
+        """Reserve writing slots for absent keys (a promotion); None when they cannot fit now without
+        evicting a key in ``protected`` (spec/README.md: "promote what fits, compute the rest").
 
         Every key must be absent and listed once (InvalidTransition otherwise, nothing changed).
         """
@@ -359,7 +402,7 @@ class CPUOffloadingManager(OffloadingManager):
             seen.add(key)
         if not keys:
             return SlotSpec(())
-        reserved = self._reserve(list(keys), frozenset())
+        reserved = self._reserve(list(keys), protected)
         return None if reserved is None else SlotSpec(reserved[0])
 
     def complete_write(self, keys: Sequence[OffloadKey], success: bool = True) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field, fields
+from enum import Enum
 
 from kvfsm.errors import ConfigError
 from kvfsm.machines.names import JobKind
@@ -26,7 +27,9 @@ __all__ = [
     "Deadlines",
     "ManualClock",
     "ShutdownReport",
+    "ShutdownTimeout",
     "accepts_timeout",
+    "resolve_shutdown_timeout",
     "run_bounded",
     "run_bounded_all",
     "with_timeout",
@@ -40,19 +43,36 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
-    """How long each waiting state may last, in seconds; None means no deadline.
+    """How long each waiting state may last, in seconds; None means no deadline for that state.
 
-    ``store_s``, ``load_s``, ``cascade_s`` and ``promote_s`` bound a job of that kind from its
-    submission until its terminal outcome (and with it every slot the job pins or reserves).
-    ``lookup_wait_s`` bounds how long one request may keep waiting on a chunk that answers HIT_PENDING or
-    RETRY (or that another request is loading) before its lookup treats the chunk as a miss.
+    The defaults bound every waiting state (spec/README.md, "Deadlines", says why each value): a job of
+    each kind from its submission to its terminal outcome (and with it every slot the job pins or
+    reserves), a request's wait on a chunk that is not readable yet, and the engine's shutdown. vLLM has
+    none of these (its ``HIT_PENDING`` waits forever, #49829, and its shutdown synchronises without a
+    bound). :meth:`none` is the explicit opt-out, :meth:`uniform` one value for every state.
     """
 
-    store_s: float | None = None
-    load_s: float | None = None
-    cascade_s: float | None = None
-    promote_s: float | None = None
-    lookup_wait_s: float | None = None
+    #: GPU -> CPU store job, seconds from submission (default 30). A copy runs at PCIe speed, so even a
+    #: 1 GB job takes well under a second: 30 s fires only on a wedged copy. vLLM: no equivalent.
+    store_s: float | None = 30.0
+    #: CPU -> GPU load job, seconds (default 30). The request waits in ``loading`` meanwhile; on time-out
+    #: its blocks are recomputed. vLLM: no equivalent (a load is awaited forever).
+    load_s: float | None = 30.0
+    #: CPU -> secondary tier (disk) cascade, seconds (default 60: a disk under contention writes far
+    #: slower than PCIe; a time-out only unpins the CPU copy, which stays valid). vLLM: no equivalent.
+    cascade_s: float | None = 60.0
+    #: Secondary tier -> CPU promotion, seconds (default 30; a time-out frees the slot, the request
+    #: computes the chunk). vLLM: no equivalent.
+    promote_s: float | None = 30.0
+    #: How long one request may keep waiting on a chunk that answers HIT_PENDING or RETRY (or that another
+    #: request is loading) before its lookup treats the chunk as a miss and computes it, seconds
+    #: (default 5: recomputing even a 32k-token prefill takes a few seconds on one GPU, so a longer wait
+    #: costs more time to first token than it saves). vLLM: none, ``HIT_PENDING`` waits forever (#49829).
+    lookup_wait_s: float | None = 5.0
+    #: The engine's ``shutdown()`` when no timeout is passed, seconds (default 20: inside Kubernetes'
+    #: default 30 s termination grace period, with room for the process to exit). ``shutdown(None)``
+    #: waits for everything. vLLM: none (its shutdown synchronises without a bound).
+    shutdown_s: float | None = 20.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -64,8 +84,13 @@ class Deadlines:
 
     @classmethod
     def uniform(cls, seconds: float) -> Deadlines:
-        """The same deadline for every waiting state."""
-        return cls(seconds, seconds, seconds, seconds, seconds)
+        """The same deadline for every waiting state (shutdown included)."""
+        return cls(seconds, seconds, seconds, seconds, seconds, seconds)
+
+    @classmethod
+    def none(cls) -> Deadlines:
+        """No deadline at all: every wait lasts as long as it takes (the explicit opt-out of the defaults)."""
+        return cls(None, None, None, None, None, None)
 
     def for_kind(self, kind: JobKind) -> float | None:
         if kind is JobKind.STORE:
@@ -140,14 +165,38 @@ class DeadlineQueue:
         self._heap.clear()
 
 
+class ShutdownTimeout(Enum):
+    """The default of ``shutdown(timeout=...)``: take the bound from the scheduler's
+    :attr:`Deadlines.shutdown_s` (a number passed instead bounds it; None waits for everything)."""
+
+    FROM_DEADLINES = "from_deadlines"
+
+
+def resolve_shutdown_timeout(timeout: float | ShutdownTimeout | None, deadlines: Deadlines) -> float | None:
+    """The seconds a shutdown may take: ``timeout`` itself, or ``deadlines.shutdown_s`` for the default."""
+    if isinstance(timeout, ShutdownTimeout):
+        return deadlines.shutdown_s
+    if timeout is not None and not timeout >= 0:  # also refuses NaN
+        raise ConfigError(f"shutdown timeout={timeout!r}; expected seconds >= 0, or None to wait for everything")
+    return timeout
+
+
 @dataclass(slots=True)
 class ShutdownReport:
-    """What a bounded shutdown did. ``clean`` is True when nothing had to be given up on."""
+    """What a shutdown did and what it gave up on. ``clean`` is True when nothing had to be given up."""
 
     elapsed_s: float = 0.0
+    #: The bound it ran under, seconds (None: it waited for everything).
+    timeout_s: float | None = None
     deadline_hit: bool = False
+    #: GPU store/load jobs no worker had launched, cancelled (their slots freed, nothing written).
     jobs_cancelled: int = 0
+    #: GPU store/load jobs still copying at the deadline, timed out (their memory quarantined).
     jobs_timed_out: int = 0
+    #: Cascades and promotions between the CPU primary and a secondary tier given up on at the deadline:
+    #: a cascade given up on never reached its tier (the CPU copy was still valid until the stop).
+    transfers_timed_out: int = 0
+    #: Timed-out jobs whose copies never reported; their memory was released at the stop anyway.
     quarantine_abandoned: int = 0
     #: Names of components whose shutdown did not return within the time left (their daemon threads
     #: were left behind).
@@ -160,6 +209,7 @@ class ShutdownReport:
             self.deadline_hit
             or self.jobs_cancelled
             or self.jobs_timed_out
+            or self.transfers_timed_out
             or self.quarantine_abandoned
             or self.abandoned
         )

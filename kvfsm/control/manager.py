@@ -74,6 +74,13 @@ class OffloadingManager(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
 
+    def drain_pending_work(self) -> None:  # noqa: B027 - optional hook
+        """Block until the manager's own transfers (a tiering manager's cascades and promotions) have
+        finished, so that the next step can apply them. Shutdown's ``flush_all`` calls it once no GPU job
+        is left but ``has_pending_work()`` is still True: on the caller's thread when the shutdown is
+        unbounded, on a helper thread it stops waiting for at the deadline otherwise. Default: nothing
+        (a manager with no transfers of its own)."""
+
     def abandon_transfers(self) -> int:
         """Bounded shutdown gives up on the manager's own transfers (a tiering manager's cascades and
         promotions); returns how many timed out. Default: the manager has none, 0."""

@@ -752,9 +752,10 @@ class OffloadingScheduler:
         self._expiry.compact(self._jobs, len(self._jobs))
         return n
 
-    def abandon_jobs(self) -> tuple[int, int]:
+    def abandon_jobs(self) -> tuple[int, int, int]:
         """Bounded shutdown gives up on every job: those no worker launched are cancelled, the others
-        time out (quarantined until their copies report). Returns (cancelled, timed out)."""
+        time out (quarantined until their copies report), and so do the manager's own transfers.
+        Returns (jobs cancelled, jobs timed out, manager transfers timed out)."""
         cancelled = timed_out = 0
         for job in list(self._jobs.values()):
             if job.launched_mask == 0:
@@ -766,8 +767,7 @@ class OffloadingScheduler:
                 timed_out += 1
         self._expiry.clear()
         # A tiering manager gives up on its cascades and promotions the same way (others: 0).
-        timed_out += self.manager.abandon_transfers()
-        return cancelled, timed_out
+        return cancelled, timed_out, self.manager.abandon_transfers()
 
     def release_quarantine(self) -> int:
         """Hand back the memory of every quarantined job now (shutdown: its copies were abandoned)."""

@@ -59,6 +59,8 @@ class TieringCounters:
     promotions_completed: int = 0
     promotions_failed: int = 0
     promotions_dropped: int = 0
+    #: Secondary hits computed instead of promoted: no slot was free without evicting one of this step's hits.
+    promotions_refused: int = 0
     cascades_submitted: int = 0
     cascades_completed: int = 0
     cascades_failed: int = 0
@@ -81,6 +83,7 @@ class TieringStats:
     promotions_completed: int
     promotions_failed: int
     promotions_dropped: int
+    promotions_refused: int
     cascades_submitted: int
     cascades_completed: int
     cascades_failed: int
@@ -184,6 +187,7 @@ class TieringManager(OffloadingManager):
         "_next_job_id",
         "_polled",
         "_primary",
+        "_protected",
         "_quarantine",
         "_queued",
         "_stale_ids",
@@ -212,6 +216,9 @@ class TieringManager(OffloadingManager):
         # Promotions reserved by lookups this step, per tier: req_id -> keys (slots are already writing).
         self._queued: list[dict[str, list[OffloadKey]]] = [{} for _ in self._tiers]
         self._polled = False  # the once-per-step poll gate, reopened by on_schedule_end
+        # Keys the primary answered HIT this step: a promotion's reservation never evicts one, so a scan
+        # never loses an earlier hit to its own promotion (no livelock; emptied by on_schedule_end).
+        self._protected: set[OffloadKey] = set()
         self._stale_ids: set[int] = set()  # jobs a reset gave up on; their late results are ignored
         self._deadlines = deadlines if deadlines is not None else Deadlines()
         self._clock: Clock = clock if clock is not None else time.monotonic
@@ -283,16 +290,22 @@ class TieringManager(OffloadingManager):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._maybe_poll()
         result = self._primary.lookup(key, ctx)
+        if result is LookupResult.HIT:
+            self._protected.add(key)
+            return result
         if result is not LookupResult.MISS:
-            return result  # HIT, or HIT_PENDING (a store or a promotion already under way)
+            return result  # HIT_PENDING (a store or a promotion already under way)
         retry = False
         for i, tier in enumerate(self._tiers):
             answer = tier.lookup(key, ctx)
             if answer is LookupResult.HIT:
                 self._stats.secondary_hits += 1
                 # Reserve now so later lookups see HIT_PENDING and never promote the key twice.
-                if self._primary.prepare_write([key]) is None:
-                    return LookupResult.MISS  # primary full: a miss, not a retry loop
+                if self._primary.prepare_write([key], self._protected) is None:
+                    # Promote what fits: the primary is full of this step's hits (or pinned slots), so
+                    # this chunk is computed instead. A miss, never a retry loop.
+                    self._stats.promotions_refused += 1
+                    return LookupResult.MISS
                 self._queued[i].setdefault(ctx.req_id, []).append(key)
                 self._stats.promotions_reserved += 1
                 return LookupResult.HIT_PENDING
@@ -356,6 +369,7 @@ class TieringManager(OffloadingManager):
         for tier in self._tiers:
             tier.on_schedule_end()
         self._polled = False
+        self._protected.clear()
         self._primary.on_schedule_end()
 
     @override
@@ -401,6 +415,7 @@ class TieringManager(OffloadingManager):
         for inflight in self._cascades_inflight:
             inflight.clear()
         self._primary.reset_cache()
+        self._protected.clear()
         self._polled = False
 
     def expire_transfers(self, now: float | None = None) -> int:
@@ -416,6 +431,13 @@ class TieringManager(OffloadingManager):
                 n += 1
         self._expiry.compact(self._transfer_jobs, len(self._transfer_jobs))
         return n
+
+    @override
+    def drain_pending_work(self) -> None:
+        """Block until every tier has finished its submitted jobs (``SecondaryTier.drain_jobs``); the
+        results are applied by the next poll."""
+        for tier in self._tiers:
+            tier.drain_jobs()
 
     @override
     def abandon_transfers(self) -> int:

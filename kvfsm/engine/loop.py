@@ -23,7 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvfsm.control.deadlines import ShutdownReport, run_bounded_all
+from kvfsm.control.deadlines import (
+    ShutdownReport,
+    ShutdownTimeout,
+    resolve_shutdown_timeout,
+    run_bounded,
+    run_bounded_all,
+)
 from kvfsm.control.decisions import settle_event
 from kvfsm.control.metadata import WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
@@ -479,23 +485,30 @@ class EngineLoop:
     def reset_offload_cache(self) -> None:
         self.scheduler.reset_cache()
 
-    def shutdown(self, timeout: float | None = None, max_rounds: int = 10_000) -> ShutdownReport:
+    def shutdown(
+        self,
+        timeout: float | ShutdownTimeout | None = ShutdownTimeout.FROM_DEADLINES,
+        max_rounds: int = 10_000,
+    ) -> ShutdownReport:
         """Abort live requests, drain what can be drained, stop (the one place a wait is allowed).
 
         ``shutdown`` fires first; its effect, ``flush_all``, runs empty steps until nothing is pending (or
-        the deadline passes, with ``timeout``), then gives up on what is left: jobs no worker launched are
+        the deadline passes), waiting on the workers' copies and on the manager's own transfers (a
+        tiering manager's cascades), then gives up on what is left: jobs no worker launched are
         cancelled and launched ones time out (their memory is quarantined until their copies report).
         Then ``stop`` fires and the workers and the manager are shut down within the time left, on helper
-        threads (when ``threaded``). With ``timeout`` (seconds) the whole shutdown returns within
-        about ``timeout`` plus a small margin, even when a transfer or a tier hangs; without it, it waits
-        for every transfer. Returns what had to be given up on.
+        threads (when ``threaded``). ``timeout``: seconds; by default the scheduler's
+        ``Deadlines.shutdown_s``; None waits for every transfer. Bounded, the whole shutdown returns
+        within about ``timeout`` plus a small margin, even when a transfer or a tier hangs. Returns what
+        had to be given up on.
         """
         start = time.monotonic()
-        report = ShutdownReport()
+        bound = resolve_shutdown_timeout(timeout, self.scheduler.deadlines)
+        report = ShutdownReport(timeout_s=bound)
         if self.state is EngineState.STOPPED:
             report.already_stopped = True
             return report
-        end = None if timeout is None else start + max(0.0, timeout)
+        end = None if bound is None else start + bound
         for req_id in [r.req_id for r in (*self.waiting, *self.running)]:
             self.abort(req_id)
         effect = self._machine.fire(self, EngineEvent.SHUTDOWN)
@@ -507,9 +520,10 @@ class EngineLoop:
         return report
 
     def _flush_all(self, end: float | None, max_rounds: int, report: ShutdownReport) -> None:
-        """The ``flush_all`` effect: wait for transfers until ``end`` (None: as long as it takes), then
-        give up on every job still pending."""
-        for _ in range(max_rounds):
+        """The ``flush_all`` effect: wait for transfers until ``end`` (None: as long as it takes, at most
+        ``max_rounds`` waits), then give up on every job still pending."""
+        rounds = 0
+        while True:
             # An empty step: plan the finished requests' last stores, poll the manager, launch.
             meta = self.scheduler.build_connector_meta(SchedulerOutput())
             for w in self.workers:
@@ -517,20 +531,32 @@ class EngineLoop:
                 w.after_forward(meta)
             if not self.has_pending_push_work():
                 break
+            # Only the manager's own transfers (tier cascades) are left: wait for them, not for a step.
+            manager_only = self.scheduler.num_jobs == 0
             if end is None:
+                rounds += 1
+                if rounds > max_rounds:
+                    break
                 for w in self.workers:
                     w.wait_all()
+                if manager_only:
+                    self.scheduler.manager.drain_pending_work()
             elif time.monotonic() >= end:
                 report.deadline_hit = True
                 break
+            elif manager_only:
+                left = max(0.0, end - time.monotonic())
+                if not run_bounded(self.scheduler.manager.drain_pending_work, left, "manager drain"):
+                    report.deadline_hit = True  # still draining at the deadline: give up below
             else:
                 time.sleep(min(0.001, max(0.0, end - time.monotonic())))  # let copies and tier I/O progress
             self._collect()
             self._finish_loads()
         if self.has_pending_push_work():
-            cancelled, timed_out = self.scheduler.abandon_jobs()
+            cancelled, timed_out, transfers = self.scheduler.abandon_jobs()
             report.jobs_cancelled += cancelled
             report.jobs_timed_out += timed_out
+            report.transfers_timed_out += transfers
             self._finish_loads()
 
     def _stop_parts(self, end: float | None, report: ShutdownReport) -> None:

@@ -15,8 +15,9 @@ Exported families:
 - ``kvfsm_transfer_bytes_total{direction}``, ``kvfsm_transfer_blocks_total{direction}`` and
   ``kvfsm_transfer_gbps{direction}`` (histogram of per-job GB/s, first launch to commit) for
   gpu_to_cpu (store), cpu_to_gpu (load), cpu_to_tier (cascade), tier_to_cpu (promote);
-- ``kvfsm_tier_lookups_total{tier,result}`` and ``kvfsm_tier_evictions_total{tier}`` from the watched
-  managers' counters (:meth:`watch_manager`);
+- ``kvfsm_tier_lookups_total{tier,result}`` (distinct lookups per request, under their latest answer, as
+  vLLM counts them), ``kvfsm_tier_lookup_retries_total{tier}`` (a deferred request's repeated lookups) and
+  ``kvfsm_tier_evictions_total{tier}`` from the watched managers' counters (:meth:`watch_manager`);
 - ``kvfsm_job_failures_total{kind,cause}``: worker (a worker reported a failure), refused (failed before
   any launch), timeout, cancelled, reset (discarded by reset_cache); plus
   ``kvfsm_store_allocation_failures_total`` from watched schedulers;
@@ -212,7 +213,8 @@ class KvfsmMetrics:
         self.uninstall()
 
     def watch_tier(self, name: str, stats: Callable[[], Mapping[str, int]]) -> None:
-        """Export a tier's ``lookups/hits/misses/hit_pending/evictions`` counters, read at scrape time."""
+        """Export a tier's ``lookups/hits/misses/hit_pending/lookup_retries/evictions`` counters, read at
+        scrape time."""
         self._tiers[name] = stats
 
     def watch_manager(self, manager: object, name: str = "cpu") -> None:
@@ -378,7 +380,8 @@ class KvfsmMetrics:
         out: dict[str, dict[str, int]] = {}
         for name, stats in self._tiers.items():
             s = stats()
-            out[name] = {k: int(s.get(k, 0)) for k in ("lookups", "hits", "misses", "hit_pending", "evictions")}
+            fields = ("lookups", "hits", "misses", "hit_pending", "lookup_retries", "evictions")
+            out[name] = {k: int(s.get(k, 0)) for k in fields}
         return out
 
     def snapshot(self) -> dict[str, object]:
@@ -440,12 +443,17 @@ class KvfsmMetrics:
                 rate.add_metric([direction], h.cumulative(), h.total)
             yield rate
             lookups = counter("kvfsm_tier_lookups", "Lookups per tier and result", labels=["tier", "result"])
+            retries = counter(
+                "kvfsm_tier_lookup_retries", "Repeated lookups of a key by a deferred request", labels=["tier"]
+            )
             evictions = counter("kvfsm_tier_evictions", "Evictions per tier", labels=["tier"])
             for tier, c in sorted(self.tier_counts().items()):
                 for result, field in (("hit", "hits"), ("miss", "misses"), ("hit_pending", "hit_pending")):
                     lookups.add_metric([tier, result], c[field])
+                retries.add_metric([tier], c["lookup_retries"])
                 evictions.add_metric([tier], c["evictions"])
             yield lookups
+            yield retries
             yield evictions
             alloc = counter("kvfsm_store_allocation_failures", "Stores refused for lack of CPU space")
             alloc.add_metric([], sum(s.stats.allocation_failures for s in self._schedulers))

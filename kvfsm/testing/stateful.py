@@ -49,6 +49,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, make_offload_key
@@ -289,7 +290,7 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     def build(self) -> None:
         self._tier = RecordingTier(self.make_tier(self.io), self.io)
         primary = CPUOffloadingManager(self.num_primary_slots)
-        self._manager = TieringManager(primary, [self._tier])
+        self._manager = TieringManager(primary, [self._tier], deadlines=Deadlines.none())  # no clock here
 
     @rule(k=st.integers(0, 1_000), ok=st.booleans())
     def store(self, k: int, ok: bool) -> None:
