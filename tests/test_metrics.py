@@ -15,7 +15,7 @@ from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
-from kvfsm.control.types import GPUBlockSpec, SlotSpec, make_offload_key
+from kvfsm.control.types import GPUBlockSpec, OffloadKey, ReqContext, SlotSpec, make_offload_key
 from kvfsm.errors import ConfigError
 from kvfsm.machines.compiled import add_tracer, remove_tracer, set_tracer
 from kvfsm.machines.names import JobKind, JobState
@@ -254,6 +254,8 @@ def test_prometheus_exposition(metrics: KvfsmMetrics, clock: FakeClock) -> None:
 
     manager = CPUOffloadingManager(4)
     metrics.watch_manager(manager)
+    for _ in range(3):  # one request asking three times: one lookup (a miss), two retries
+        manager.lookup(OffloadKey(b"k" * 20), ReqContext("r"))
     a, b = job(0, world_size=1), job(1, JobKind.LOAD, world_size=1)
     a.launch(0)
     b.launch(0)
@@ -274,7 +276,8 @@ def test_prometheus_exposition(metrics: KvfsmMetrics, clock: FakeClock) -> None:
     assert samples[key] == pytest.approx(0.5)
     assert samples[("kvfsm_stuck_jobs", (("kind", "load"), ("state", "in_flight")))] == 1
     assert samples[("kvfsm_stuck_job_warnings_total", (("kind", "load"), ("state", "in_flight")))] == 1
-    assert samples[("kvfsm_tier_lookups_total", (("result", "miss"), ("tier", "cpu")))] == 0
+    assert samples[("kvfsm_tier_lookups_total", (("result", "miss"), ("tier", "cpu")))] == 1
+    assert samples[("kvfsm_tier_lookup_retries_total", (("tier", "cpu"),))] == 2
     assert ("kvfsm_engine_state", (("state", "idle"),)) in samples
 
 

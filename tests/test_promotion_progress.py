@@ -22,9 +22,14 @@ from kvfsm.tiers.memory import InMemoryTier
 TPB = 4
 
 
-def _run(num_slots: int, prefix_chunks: list[int], max_steps: int) -> tuple[dict[str, int], TieringManager]:
-    """Look every request up each step (oldest first) until all are scheduled; returns the step each was
-    scheduled at and the manager."""
+def _run(
+    num_slots: int, prefix_chunks: list[int], max_steps: int, arrivals: list[int] | None = None
+) -> tuple[dict[str, int], TieringManager]:
+    """Look every arrived request up each step (oldest first) until all are scheduled; request ``i``
+    arrives at step ``arrivals[i]`` (default 0). Scheduled requests compute the rest of their prompt,
+    so their GPU stores compete for the primary too. Returns the step each was scheduled at and the
+    manager."""
+    arrive = arrivals if arrivals is not None else [0] * len(prefix_chunks)
     tier = InMemoryTier("mem", autocomplete=True)
     manager = TieringManager(CPUOffloadingManager(num_slots), [tier], deadlines=Deadlines.none())
     sched = OffloadingScheduler(OffloadConfig(TPB), manager, deadlines=Deadlines.none())
@@ -39,7 +44,7 @@ def _run(num_slots: int, prefix_chunks: list[int], max_steps: int) -> tuple[dict
     next_block = 0
     for step in range(max_steps):
         admitted = []
-        for req in list(waiting):
+        for req in [r for r in waiting if arrive[int(r.req_id[1:])] <= step]:
             external, _ = sched.get_num_new_matched_tokens(req, 0)
             if external is None:
                 continue  # deferred: asks again next step
@@ -74,3 +79,20 @@ def test_one_request_loads_what_fits_and_is_scheduled_without_a_deadline(num_slo
 def test_competing_requests_are_all_scheduled_without_a_deadline(num_slots: int, prefixes: list[int]) -> None:
     scheduled_at, _ = _run(num_slots, prefixes, max_steps=sum(prefixes) + 4)
     assert len(scheduled_at) == len(prefixes), f"deferred forever: {set(range(len(prefixes))) - set(scheduled_at)}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_slots=st.integers(1, 4),
+    requests=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 6)), min_size=2, max_size=4),
+)
+def test_requests_arriving_over_time_are_each_scheduled_within_a_bound(
+    num_slots: int, requests: list[tuple[int, int]]
+) -> None:
+    prefixes = [n for n, _ in requests]
+    arrivals = [a for _, a in requests]
+    bound = sum(prefixes) + 4
+    scheduled_at, _ = _run(num_slots, prefixes, max_steps=max(arrivals) + bound + 1, arrivals=arrivals)
+    for i, arrived in enumerate(arrivals):
+        assert f"r{i}" in scheduled_at, f"r{i} (arrived at step {arrived}) was never scheduled"
+        assert scheduled_at[f"r{i}"] - arrived <= bound
