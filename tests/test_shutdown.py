@@ -120,6 +120,22 @@ def test_a_clean_shutdown_drains_stores_and_cascades_to_disk(tmp_path: Path) -> 
         engine2.shutdown(timeout=GUARD_S)
 
 
+@pytest.mark.parametrize("timeout", [None, "default"])
+def test_an_unbounded_or_default_shutdown_puts_every_cascade_on_disk(tmp_path: Path, timeout: str | None) -> None:
+    # Regression (issue 13, bug 2): shutdown() without a timeout spun its empty steps and timed the
+    # cascades out, so the KV never reached disk. Few rounds: each one now waits for the tier.
+    cfg = engine_config(num_cpu_slots=16)
+    engine, _tm, tier = fs_engine(tmp_path, cfg)
+    req = engine.make_request("a", tokens("a", 21), 1)
+    engine.add_request(req)
+    for _ in range(3):  # the request runs and finishes; its last stores and the cascades are still due
+        engine.step()
+    report = engine.shutdown(max_rounds=3) if timeout == "default" else engine.shutdown(None, max_rounds=3)
+    assert report.clean, report
+    assert len(block_files(tmp_path)) == len(keys_of(req.block_hashes, cfg.blocks_per_chunk)) == 5
+    assert tier.threads_alive() == 0
+
+
 class StuckTier(SecondaryTier):
     """A tier whose jobs never finish and whose shutdown blocks until told otherwise."""
 
