@@ -275,6 +275,25 @@ class BlockIO:
                 return False
             raise
 
+    def supersede(self, old: FileInfo, new: FileInfo) -> bool:
+        """Remove ``old``, a version that ``new`` (a newer version of the same key) replaces, but only once
+        ``new`` is on disk (and, with ``durable``, fsynced with its directory): the only valid copy of a
+        block is never removed first. Returns True if ``old`` was removed; on any doubt it is kept (a
+        restart's scan removes it then)."""
+        try:
+            if self.durable:
+                fd = os.open(new.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._fsync_dir(Path(new.path).parent)
+            elif not os.path.exists(new.path):
+                return False
+        except OSError:
+            return False
+        return self.unlink(old.path, quiet=True)
+
     # -- discovery --
 
     def _header_info(self, path: Path, knm: str, version: int) -> FileInfo | None:

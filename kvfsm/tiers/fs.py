@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import partial
 
@@ -76,6 +76,9 @@ class _Entry(SlotModel):
     reserved: int  #: bytes counted against the capacity (an estimate while writing)
     info: FileInfo | None = None
     doomed: bool = False  #: invalidated while being read: evicted when the last reader is done
+    #: Older files of this key found while this entry's own file was being written: removed when that
+    #: write commits, served again if it fails (the only valid copy is never removed first).
+    superseded: list[FileInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -574,10 +577,16 @@ class FileSystemTier(SecondaryTier):
         e = self._entries.get(key)
         if e is not None:
             if e.info is not None and e.state is SlotState.READY and info.version > e.info.version:
+                # Another writer's newer version: switch to it, and remove ours now that it is superseded.
+                old = e.info
                 self._used_bytes += info.size - e.reserved
                 e.info, e.version, e.reserved = info, info.version, info.size
-            elif info.version < e.version and not self._closed:
-                self._pool.submit_write(self._unlink, info.path)  # superseded by ours
+                self._supersede(old, info)
+            elif info.version < e.version:
+                if e.state is SlotState.WRITING:
+                    e.superseded.append(info)  # removed when our write commits, kept if it fails
+                elif e.info is not None:
+                    self._supersede(info, e.info)  # superseded by our committed version
             return
         if not self._make_room(info.size, 1):
             return  # does not fit: leave the file for a later instance with more room
@@ -589,10 +598,20 @@ class FileSystemTier(SecondaryTier):
         self._ready[key] = None
         self._used_bytes += info.size
         self._payload_hint = self._payload_hint or info.payload_len
-        if source == "probe":
-            self._stats.probe_hits += 1
-        else:
-            self._stats.scan_entries += 1
+        match source:
+            case "probe":
+                self._stats.probe_hits += 1
+            case "scan":
+                self._stats.scan_entries += 1
+            case _:
+                pass  # a superseded file served again after the write that replaced it failed
+
+    def _supersede(self, old: FileInfo, new: FileInfo) -> None:
+        """Remove ``old``, a version of a key that ``new`` replaces, once ``new`` is durable (I/O thread)."""
+        if self._closed or old.path == new.path:
+            return
+        self._stats.old_versions_removed += 1
+        self._pool.submit_write(self._io.supersede, old, new)
 
     def _apply_scan(self) -> None:
         fut = self._scan_future
@@ -652,6 +671,9 @@ class FileSystemTier(SecondaryTier):
             self._ready[e.key] = None
             self._payload_hint = r.info.payload_len
             self._stats.stores_committed += 1
+            superseded, e.superseded = e.superseded, []
+            for old in superseded:
+                self._supersede(old, r.info)  # our version is committed: the older files go now
             if self._over(0, 0):
                 self._make_room(0, 0)
             return
@@ -659,6 +681,13 @@ class FileSystemTier(SecondaryTier):
         del self._entries[e.key]
         self._used_bytes -= e.reserved
         self._stats.stores_failed += 1
+        if e.superseded and not self._closed:
+            # The write that was to replace them failed: the newest older file is the valid copy again.
+            older = sorted(e.superseded, key=lambda i: i.version)
+            self._adopt(e.key, older[-1], source="fallback")
+            if self._entries.get(e.key) is not None:
+                for stale in older[:-1]:
+                    self._supersede(stale, older[-1])
 
     def _apply_load(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.state is not SlotState.READING or e.version != r.version:
