@@ -150,7 +150,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 class BlockIO:
-    """Block-file I/O on one directory, with a fault plan consulted at every operation. Thread-safe."""
+    """Block-file I/O on one directory, with a fault plan consulted at every operation. Thread-safe.
+
+    - ``root`` (path; required): the directory, created if missing.
+    - ``faults`` (:class:`~kvfsm.tiers.faults.FaultPlan`; default None): consulted at every operation.
+    - ``durable`` (bool; default False): fsync each file before its rename and its directory after (see
+      :class:`~kvfsm.tiers.fs.FileSystemTier`).
+    - ``cancel`` (:class:`threading.Event`; default a new one): set by a shutdown to cut injected hangs short.
+    """
 
     def __init__(
         self,

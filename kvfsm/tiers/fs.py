@@ -161,7 +161,50 @@ class _JobState:
 
 
 class FileSystemTier(SecondaryTier):
-    """Blocks as files under ``root``; promotions and cascades move real bytes through ``slot_io``."""
+    """Blocks as files under ``root``; promotions and cascades move real bytes through ``slot_io``.
+
+    Every parameter after ``root`` is keyword-only. The equivalents named are LMCache's local-disk backend
+    (``local_disk``, ``max_local_disk_size``) and the llm-d file-system backend of vLLM's
+    ``OffloadingConnector`` (``shared_storage_path``, ``threads_per_gpu``); "none" where neither has one.
+
+    - ``root`` (path; required): the directory of the block files, created if missing; one file per block
+      (one CPU slot: every layer, every rank), ``<root>/<2 hex>/<40 hex>.<16 hex>.kvb``. A new tier on the
+      same directory finds what an earlier one wrote. LMCache ``local_disk`` (``"file:///path/"``, default
+      None: disabled); llm-d ``shared_storage_path``.
+    - ``slot_io`` (:class:`~kvfsm.tiers.slotio.SlotIO`; default None): reads and writes the CPU primary's
+      slot bytes (a cascade reads a slot, a promotion writes one). It may be bound later, but must be set
+      before the first submission (ConfigError otherwise). ``ReferenceEngine`` users pass a
+      :class:`~kvfsm.tiers.slotio.CompositeSlotIO` over every rank's CPU pool. None (LMCache and vLLM
+      wire their storage to their own CPU buffers).
+    - ``name`` (str; default ``"fs"``): the tier's name in events, metrics, logs and thread names. None.
+    - ``capacity_bytes`` (int bytes >= 1, or None; default None: unbounded): the most bytes of block files
+      (headers included) the tier keeps; the least recently used ready blocks are evicted (their files
+      removed) to make room, and a block larger than the whole capacity is refused. LMCache
+      ``max_local_disk_size`` (in GB, default 0.0); llm-d: none (it leaves clean-up to the storage).
+    - ``capacity_files`` (int >= 1, or None; default None: unbounded): the most blocks (files) the tier
+      keeps, evicted the same way; either limit, or both, may be set. None.
+    - ``read_threads`` (int >= 0; default 2): threads that only read (promotions), so cascades can never
+      occupy every thread a promotion needs. ``write_threads`` (int >= 1; default 2): threads that write
+      (cascades) first and help with reads when no write is queued. See
+      :class:`~kvfsm.tiers.pool.DualQueuePool`. llm-d ``threads_per_gpu`` (one pool for both directions);
+      LMCache: none.
+    - ``faults`` (:class:`~kvfsm.tiers.faults.FaultPlan`; default None): injected faults, consulted at every
+      file and slot operation (tests and chaos runs; swappable through :attr:`faults`). None.
+    - ``durable`` (bool; default False): fsync each block file before its rename and its directory after,
+      so a committed block survives a power loss, not only a crash of the process; costs one or two
+      fsyncs per block. Without it a write is still atomic (rename), and the checksum catches a torn
+      file after a power loss. None (LMCache's ``use_odirect`` in ``extra_config`` bypasses the page cache
+      but is not a durability setting).
+    - ``scan`` (bool; default True): rebuild the index from ``root`` on a background thread at start-up
+      (newest version per key; stray temporary files of dead writers, damaged files and superseded versions
+      are removed). Until it finishes, keys the index does not know are probed asynchronously and answer
+      RETRY. False: start empty and never look at files already there. None.
+    - ``lookup_ttl_steps`` (int >= 1 steps; default 64): how many scheduler steps (``on_schedule_end``
+      calls) a probed verdict for an unknown key is cached before it is probed again. See
+      :class:`~kvfsm.tiers.lookup.AsyncLookup`. None.
+    - ``checked`` (bool or None; default None: the ``KVFSM_CHECKED`` environment variable): run every slot
+      transition through the ``transitions`` library as well as the compiled table (slower; tests). None.
+    """
 
     def __init__(
         self,
