@@ -162,3 +162,35 @@ def test_a_restart_after_the_switch_finds_only_the_newest_version(tmp_path: Path
         assert again.tm.lookup(k(99), PROBE) is MISS
     finally:
         again.shutdown()
+
+
+def test_the_start_up_scan_never_removes_the_only_valid_copy_while_a_newer_write_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    """The scan finds an earlier process's file of a key this instance is writing right now; the write then
+    fails. The scanned file must survive and be served (before, the scan's result removed it at once)."""
+    key = k(5)
+    old = BlockIO(tmp_path).write(key, payload(key), 5)
+    plan = FaultPlan(
+        [
+            FaultRule("fs.scan", FaultKind.HANG, times=1),
+            FaultRule("fs.write", FaultKind.HANG, times=1, keys=frozenset({key})),
+            FaultRule("fs.replace", FaultKind.EIO, times=1, keys=frozenset({key})),
+        ]
+    )
+    rig = fs_rig(tmp_path, faults=plan, wait_scan=False)
+    try:
+        assert rig.store(key)
+        assert plan.wait_for_hangs(2, GUARD_S)  # the scan and our write
+        plan.release_hangs()
+        assert rig.tier.wait_scan(GUARD_S)
+        assert rig.tier.wait_idle(GUARD_S)
+        rig.tm.on_schedule_end()  # applies the scan (the key is being written), then the failed write
+        assert rig.tier.wait_idle(GUARD_S)
+        assert rig.tier.stats().stores_failed == 1
+        assert files_of(tmp_path, key) == [Path(old.path)]
+        assert rig.tier.file_of(key) == old.path
+        rig.evict_primary(key)
+        assert rig.read_through(key) == payload(key)
+    finally:
+        rig.shutdown()

@@ -103,6 +103,8 @@ class FsTierCounters:
     scan_entries: int = 0
     temp_files_removed: int = 0
     bad_files_removed: int = 0
+    #: superseded versions of a block: removed by the start-up scan, or given to the I/O threads for
+    #: removal as soon as the version that replaces them is committed (kept if it is not on disk)
     old_versions_removed: int = 0
 
 
