@@ -108,6 +108,7 @@ def fs_rig(
     capacity_files: int | None = None,
     scan: bool = True,
     wait_scan: bool = True,
+    durable: bool = False,
 ) -> FsRig:
     io = DictSlotIO(SLOT_BYTES)
     tier = FileSystemTier(
@@ -117,6 +118,7 @@ def fs_rig(
         capacity_bytes=capacity_bytes,
         capacity_files=capacity_files,
         scan=scan,
+        durable=durable,
         checked=True,
     )
     if scan and wait_scan:

@@ -150,7 +150,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 class BlockIO:
-    """Block-file I/O on one directory, with a fault plan consulted at every operation. Thread-safe."""
+    """Block-file I/O on one directory, with a fault plan consulted at every operation. Thread-safe.
+
+    - ``root`` (path; required): the directory, created if missing.
+    - ``faults`` (:class:`~kvfsm.tiers.faults.FaultPlan`; default None): consulted at every operation.
+    - ``durable`` (bool; default False): fsync each file before its rename and its directory after (see
+      :class:`~kvfsm.tiers.fs.FileSystemTier`).
+    - ``cancel`` (:class:`threading.Event`; default a new one): set by a shutdown to cut injected hangs short.
+    """
 
     def __init__(
         self,
@@ -274,6 +281,25 @@ class BlockIO:
             if quiet:
                 return False
             raise
+
+    def supersede(self, old: FileInfo, new: FileInfo) -> bool:
+        """Remove ``old``, a version that ``new`` (a newer version of the same key) replaces, but only once
+        ``new`` is on disk (and, with ``durable``, fsynced with its directory): the only valid copy of a
+        block is never removed first. Returns True if ``old`` was removed; on any doubt it is kept (a
+        restart's scan removes it then)."""
+        try:
+            if self.durable:
+                fd = os.open(new.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._fsync_dir(Path(new.path).parent)
+            elif not os.path.exists(new.path):
+                return False
+        except OSError:
+            return False
+        return self.unlink(old.path, quiet=True)
 
     # -- discovery --
 

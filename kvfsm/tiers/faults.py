@@ -97,12 +97,19 @@ class FaultRule:
     ``keys``: only operations on these keys match (None: any key).
     """
 
+    #: an fnmatch pattern over :data:`OPERATIONS` (default ``"*"``: every operation)
     op: str = "*"
+    #: what happens when the rule fires (default EIO)
     kind: FaultKind = FaultKind.EIO
+    #: chance in [0, 1] that a matching operation past ``after`` fires (default 1.0: every one)
     probability: float = 1.0
+    #: fire at most this many times (default None: unlimited)
     times: int | None = None
+    #: let this many matching operations through first (default 0)
     after: int = 0
+    #: only operations on these keys match (default None: any key; file removals and scans have key b"")
     keys: frozenset[bytes] | None = None
+    #: seconds a DELAY waits (required > 0 for DELAY, cut short by cancellation; ignored otherwise)
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -126,7 +133,12 @@ class FaultRule:
 
 
 class FaultPlan:
-    """A seeded, thread-safe set of fault rules, consulted by every I/O component it is handed to."""
+    """A seeded, thread-safe set of fault rules, consulted by every I/O component it is handed to.
+
+    ``rules`` (default none): the rules, tried in order (the first that fires decides); ``seed`` (int,
+    default 0): seeds the probability draws, which depend only on it, the rule, the operation, the key
+    and the occurrence, so a run is reproducible whatever the thread timing.
+    """
 
     def __init__(self, rules: Iterable[FaultRule] = (), *, seed: int = 0) -> None:
         self.seed = seed

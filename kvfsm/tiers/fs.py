@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import partial
 
@@ -76,6 +76,9 @@ class _Entry(SlotModel):
     reserved: int  #: bytes counted against the capacity (an estimate while writing)
     info: FileInfo | None = None
     doomed: bool = False  #: invalidated while being read: evicted when the last reader is done
+    #: Older files of this key found while this entry's own file was being written: removed when that
+    #: write commits, served again if it fails (the only valid copy is never removed first).
+    superseded: list[FileInfo] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,8 @@ class FsTierCounters:
     scan_entries: int = 0
     temp_files_removed: int = 0
     bad_files_removed: int = 0
+    #: superseded versions of a block: removed by the start-up scan, or given to the I/O threads for
+    #: removal as soon as the version that replaces them is committed (kept if it is not on disk)
     old_versions_removed: int = 0
 
 
@@ -158,7 +163,50 @@ class _JobState:
 
 
 class FileSystemTier(SecondaryTier):
-    """Blocks as files under ``root``; promotions and cascades move real bytes through ``slot_io``."""
+    """Blocks as files under ``root``; promotions and cascades move real bytes through ``slot_io``.
+
+    Every parameter after ``root`` is keyword-only. The equivalents named are LMCache's local-disk backend
+    (``local_disk``, ``max_local_disk_size``) and the llm-d file-system backend of vLLM's
+    ``OffloadingConnector`` (``shared_storage_path``, ``threads_per_gpu``); "none" where neither has one.
+
+    - ``root`` (path; required): the directory of the block files, created if missing; one file per block
+      (one CPU slot: every layer, every rank), ``<root>/<2 hex>/<40 hex>.<16 hex>.kvb``. A new tier on the
+      same directory finds what an earlier one wrote. LMCache ``local_disk`` (``"file:///path/"``, default
+      None: disabled); llm-d ``shared_storage_path``.
+    - ``slot_io`` (:class:`~kvfsm.tiers.slotio.SlotIO`; default None): reads and writes the CPU primary's
+      slot bytes (a cascade reads a slot, a promotion writes one). It may be bound later, but must be set
+      before the first submission (ConfigError otherwise). ``ReferenceEngine`` users pass a
+      :class:`~kvfsm.tiers.slotio.CompositeSlotIO` over every rank's CPU pool. None (LMCache and vLLM
+      wire their storage to their own CPU buffers).
+    - ``name`` (str; default ``"fs"``): the tier's name in events, metrics, logs and thread names. None.
+    - ``capacity_bytes`` (int bytes >= 1, or None; default None: unbounded): the most bytes of block files
+      (headers included) the tier keeps; the least recently used ready blocks are evicted (their files
+      removed) to make room, and a block larger than the whole capacity is refused. LMCache
+      ``max_local_disk_size`` (in GB, default 0.0); llm-d: none (it leaves clean-up to the storage).
+    - ``capacity_files`` (int >= 1, or None; default None: unbounded): the most blocks (files) the tier
+      keeps, evicted the same way; either limit, or both, may be set. None.
+    - ``read_threads`` (int >= 0; default 2): threads that only read (promotions), so cascades can never
+      occupy every thread a promotion needs. ``write_threads`` (int >= 1; default 2): threads that write
+      (cascades) first and help with reads when no write is queued. See
+      :class:`~kvfsm.tiers.pool.DualQueuePool`. llm-d ``threads_per_gpu`` (one pool for both directions);
+      LMCache: none.
+    - ``faults`` (:class:`~kvfsm.tiers.faults.FaultPlan`; default None): injected faults, consulted at every
+      file and slot operation (tests and chaos runs; swappable through :attr:`faults`). None.
+    - ``durable`` (bool; default False): fsync each block file before its rename and its directory after,
+      so a committed block survives a power loss, not only a crash of the process; costs one or two
+      fsyncs per block. Without it a write is still atomic (rename), and the checksum catches a torn
+      file after a power loss. None (LMCache's ``use_odirect`` in ``extra_config`` bypasses the page cache
+      but is not a durability setting).
+    - ``scan`` (bool; default True): rebuild the index from ``root`` on a background thread at start-up
+      (newest version per key; stray temporary files of dead writers, damaged files and superseded versions
+      are removed). Until it finishes, keys the index does not know are probed asynchronously and answer
+      RETRY. False: start empty and never look at files already there. None.
+    - ``lookup_ttl_steps`` (int >= 1 steps; default 64): how many scheduler steps (``on_schedule_end``
+      calls) a probed verdict for an unknown key is cached before it is probed again. See
+      :class:`~kvfsm.tiers.lookup.AsyncLookup`. None.
+    - ``checked`` (bool or None; default None: the ``KVFSM_CHECKED`` environment variable): run every slot
+      transition through the ``transitions`` library as well as the compiled table (slower; tests). None.
+    """
 
     def __init__(
         self,
@@ -574,10 +622,16 @@ class FileSystemTier(SecondaryTier):
         e = self._entries.get(key)
         if e is not None:
             if e.info is not None and e.state is SlotState.READY and info.version > e.info.version:
+                # Another writer's newer version: switch to it, and remove ours now that it is superseded.
+                old = e.info
                 self._used_bytes += info.size - e.reserved
                 e.info, e.version, e.reserved = info, info.version, info.size
-            elif info.version < e.version and not self._closed:
-                self._pool.submit_write(self._unlink, info.path)  # superseded by ours
+                self._supersede(old, info)
+            elif info.version < e.version:
+                if e.state is SlotState.WRITING:
+                    e.superseded.append(info)  # removed when our write commits, kept if it fails
+                elif e.info is not None:
+                    self._supersede(info, e.info)  # superseded by our committed version
             return
         if not self._make_room(info.size, 1):
             return  # does not fit: leave the file for a later instance with more room
@@ -589,10 +643,20 @@ class FileSystemTier(SecondaryTier):
         self._ready[key] = None
         self._used_bytes += info.size
         self._payload_hint = self._payload_hint or info.payload_len
-        if source == "probe":
-            self._stats.probe_hits += 1
-        else:
-            self._stats.scan_entries += 1
+        match source:
+            case "probe":
+                self._stats.probe_hits += 1
+            case "scan":
+                self._stats.scan_entries += 1
+            case _:
+                pass  # a superseded file served again after the write that replaced it failed
+
+    def _supersede(self, old: FileInfo, new: FileInfo) -> None:
+        """Remove ``old``, a version of a key that ``new`` replaces, once ``new`` is durable (I/O thread)."""
+        if self._closed or old.path == new.path:
+            return
+        self._stats.old_versions_removed += 1
+        self._pool.submit_write(self._io.supersede, old, new)
 
     def _apply_scan(self) -> None:
         fut = self._scan_future
@@ -652,6 +716,9 @@ class FileSystemTier(SecondaryTier):
             self._ready[e.key] = None
             self._payload_hint = r.info.payload_len
             self._stats.stores_committed += 1
+            superseded, e.superseded = e.superseded, []
+            for old in superseded:
+                self._supersede(old, r.info)  # our version is committed: the older files go now
             if self._over(0, 0):
                 self._make_room(0, 0)
             return
@@ -659,6 +726,13 @@ class FileSystemTier(SecondaryTier):
         del self._entries[e.key]
         self._used_bytes -= e.reserved
         self._stats.stores_failed += 1
+        if e.superseded and not self._closed:
+            # The write that was to replace them failed: the newest older file is the valid copy again.
+            older = sorted(e.superseded, key=lambda i: i.version)
+            self._adopt(e.key, older[-1], source="fallback")
+            if self._entries.get(e.key) is not None:
+                for stale in older[:-1]:
+                    self._supersede(stale, older[-1])
 
     def _apply_load(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.state is not SlotState.READING or e.version != r.version:

@@ -66,6 +66,13 @@ class AsyncLookup(Generic[K, R]):
 
     ``probe(key)`` runs on the thread; if it raises, ``on_error`` is the verdict (a miss, for a tier:
     what cannot be probed cannot be served).
+
+    - ``probe`` (callable; required): answers one key (the file-system tier's: the newest sound file).
+    - ``on_error`` (required): the verdict of a probe that raised, and of probes left when shut down.
+    - ``name`` (str; default ``"kvfsm-lookup"``): the probe thread's name.
+    - ``ttl_steps`` (int >= 1, in :meth:`flush` calls, i.e. scheduler steps; default 64): a resolved verdict
+      is dropped this many flushes after it was resolved, and the key is probed again at its next lookup.
+      vLLM and LMCache look keys up synchronously and cache no verdict, so neither has a setting for it.
     """
 
     def __init__(

@@ -21,7 +21,21 @@ __all__ = ["InMemoryTier"]
 
 
 class InMemoryTier(SecondaryTier):
-    """A dict of keys (and optionally bytes) with LRU eviction at ``capacity``, and manual job completion."""
+    """A dict of keys (and optionally bytes) with LRU eviction at ``capacity``, and manual job completion.
+
+    - ``name`` (str; default ``"mem"``): the tier's name in events and error messages.
+    - ``capacity`` (int blocks >= 1, or None; default None: unbounded): the most keys held; storing more
+      evicts the least recently used (stored, touched or promoted) ones. It counts blocks, not bytes: LMCache's
+      nearest setting is ``max_local_cpu_size`` (GB of pinned CPU memory, default 5.0), vLLM's native CPU
+      offloading ``num_cpu_blocks`` / ``cpu_bytes_to_use``; both size the CPU primary, which this tier is
+      not (it sits below it).
+    - ``autocomplete`` (bool; default False): finish every pending job successfully at the next
+      :meth:`get_finished_jobs` (one step later), instead of when the test calls :meth:`complete`. No
+      equivalent: a test control.
+    - ``slot_io`` (:class:`~kvfsm.tiers.slotio.SlotIO`; default None): with it, a store copies each CPU slot's
+      bytes when the job completes and a promotion writes them back, so contents can be checked end to
+      end; without it, only which keys are held is tracked (a promotion of a key held without bytes fails).
+    """
 
     __slots__ = (
         "_autocomplete",

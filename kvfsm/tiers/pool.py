@@ -33,7 +33,17 @@ def _is_count(n: object) -> bool:
 
 
 class DualQueuePool:
-    """``read_threads`` read-only and ``write_threads`` write-first daemon threads."""
+    """``read_threads`` read-only and ``write_threads`` write-first daemon threads.
+
+    - ``read_threads`` (int >= 0; default 2): threads that serve only the read queue (promotions). 0: reads
+      run only on the write threads, when no write is queued.
+    - ``write_threads`` (int >= 1; default 2): threads that take a queued write first and otherwise help
+      with reads (0 is refused: nothing would ever write).
+    - ``name`` (str; default ``"kvfsm-io"``): the prefix of the thread names (``<name>-r0``, ``<name>-w0``).
+
+    vLLM's ``OffloadingConnector`` file-system backend (llm-d) has one pool, ``threads_per_gpu``, shared by
+    both directions, with loads falling back to stores; LMCache has no thread setting for its disk backend.
+    """
 
     def __init__(self, read_threads: int = 2, write_threads: int = 2, *, name: str = "kvfsm-io") -> None:
         for what, n in (("read_threads", read_threads), ("write_threads", write_threads)):
