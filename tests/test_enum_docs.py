@@ -32,20 +32,9 @@ def _package_enums() -> list[type[enum.Enum]]:
 
 ENUMS = _package_enums()
 
-# Enums in modules another work stream owns in issue 13 (the engine and the tiers); their docstrings land
-# there. Not strict, so the merge order does not matter; delete an entry once its docstring is in.
-OWED_ELSEWHERE = {
-    "kvfsm.engine.requests.RequestStatus",
-    "kvfsm.tiers.faults.FaultKind",
-    "kvfsm.tiers.fs.ScanState",
-    "kvfsm.tiers.lookup.LookupPhase",
-}
-
 
 def _param(cls: type[enum.Enum]) -> Any:
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    marks = [pytest.mark.xfail(reason="docstring owed by another issue-13 stream")] if name in OWED_ELSEWHERE else []
-    return pytest.param(cls, id=name, marks=marks)
+    return pytest.param(cls, id=f"{cls.__module__}.{cls.__qualname__}")
 
 
 def test_the_walk_finds_the_spec_enums() -> None:

@@ -13,6 +13,8 @@ __all__ = ["EngineRequest", "RequestStatus", "chain_block_hashes"]
 
 
 class RequestStatus(Enum):
+    """A request's status in the reference engine's own queues (vLLM's ``RequestStatus``)."""
+
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"

@@ -68,6 +68,8 @@ OPERATIONS: frozenset[str] = frozenset(
 
 
 class FaultKind(StrEnum):
+    """What an injected fault does to the operation it matches (see the module docstring)."""
+
     EIO = "eio"
     ENOSPC = "enospc"
     FAIL = "fail"

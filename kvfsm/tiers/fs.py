@@ -62,6 +62,8 @@ def _is_positive_int(n: object) -> bool:
 
 
 class ScanState(Enum):
+    """Where the restart scan that rebuilds the tier's index stands."""
+
     RUNNING = "running"  #: the index is being rebuilt; unknown keys are probed
     DONE = "done"  #: the index is complete: a key it does not hold is a miss
     FAILED = "failed"  #: the scan failed; unknown keys keep being probed

@@ -37,6 +37,8 @@ R = TypeVar("R")
 
 
 class LookupPhase(Enum):
+    """Where one asynchronous existence check stands."""
+
     PENDING = "pending"  #: queued, not yet posted to the probe thread
     IN_FLIGHT = "in_flight"  #: posted; its result has not been applied yet
     RESOLVED = "resolved"
