@@ -322,6 +322,8 @@ def test_given_workers_are_checked_against_the_manager_and_the_config() -> None:
     try:
         with pytest.raises(ConfigError, match=r"rank 0's CPU pool has 4 slots.*manager's CPU primary has 8"):
             ReferenceEngine(engine_config(world_size=2), manager=CPUOffloadingManager(8), workers=small.workers)
+        with pytest.raises(ConfigError, match=r"has 4 slots but the manager's CPU primary has 64"):
+            ReferenceEngine(engine_config(world_size=2, num_cpu_slots=64), workers=small.workers)  # its own manager
         with pytest.raises(ConfigError, match="worker 0 has rank=1"):
             ReferenceEngine(engine_config(world_size=2), workers=big.workers[::-1])
         with pytest.raises(ConfigError, match="expected world_size=1"):
@@ -329,7 +331,7 @@ def test_given_workers_are_checked_against_the_manager_and_the_config() -> None:
         with pytest.raises(ConfigError, match="worker 0 has rank=0, world_size=2; expected rank=0, world_size=1"):
             ReferenceEngine(engine_config(world_size=1), workers=big.workers[:1])
         with pytest.raises(ConfigError, match="blocks per slot; expected blocks_per_chunk=2"):
-            ReferenceEngine(engine_config(world_size=2, blocks_per_chunk=2), workers=big.workers)
+            ReferenceEngine(engine_config(world_size=2, blocks_per_chunk=2, num_cpu_slots=8), workers=big.workers)
     finally:
         big.shutdown()
         small.shutdown()

@@ -19,7 +19,7 @@ from tier_support import GUARD_S
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.tiering import TieringManager
-from kvfsm.control.worker import CopyBackend, HeldCopyBackend
+from kvfsm.control.worker import CopyBackend, HeldCopyBackend, OffloadingWorker
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.engine.core import PoolsSlotIO, ReferenceEngine
@@ -92,7 +92,7 @@ def test_tiers_and_a_backend_factory_are_wired_internally(tmp_path: Path) -> Non
         assert isinstance(engine.manager, TieringManager) and engine.tiers == (mem, fs)
         assert [w.backend for w in engine.workers] == made and len(made) == 2
         assert isinstance(mem.slot_io, PoolsSlotIO) and fs.slot_io is mem.slot_io
-        assert [p for p in mem.slot_io.pools] == [b.pool for b in made]
+        assert list(mem.slot_io.pools) == [b.pool for b in made] == list(engine.pools)
         assert mem.slot_io.nbytes_per_slot == sum(b.pool.nbytes_per_slot for b in made)
         # A's chunks are evicted from the 8 CPU slots by B's, then come back from the tiers, byte-exact.
         prompt = tokens("wire", 25)
@@ -134,7 +134,15 @@ def test_wiring_conflicts_are_refused_before_anything_is_built() -> None:
     assert tier.slot_io is None  # nothing was bound by the refused constructions
 
 
-def test_tiers_need_backends_with_a_cpu_pool() -> None:
+def test_tiers_need_the_cpu_pools_of_given_workers() -> None:
     tier = InMemoryTier("mem", 8)
-    _refused("has no CPU slot pool", tiers=[tier], backend_factory=lambda *a: HeldCopyBackend())
+    workers = [OffloadingWorker(0, 1, HeldCopyBackend())]
+    _refused("found the CPU slot pools of 0 of 1 ranks", tiers=[tier], workers=workers)
     assert tier.slot_io is None
+    # A backend factory needs no pool attribute: the engine built the pools and knows them.
+    other = InMemoryTier("mem", 8)
+    engine = ReferenceEngine(engine_config(), tiers=[other], backend_factory=lambda *a: HeldCopyBackend())
+    try:
+        assert isinstance(other.slot_io, PoolsSlotIO) and other.slot_io.pools == engine.pools
+    finally:
+        engine.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -180,6 +180,17 @@ def _primary_slots(manager: OffloadingManager) -> int | None:
     return None if primary is None else primary.num_slots
 
 
+def _pools_of(workers: Sequence[OffloadingWorker]) -> list[CPUSlotPool]:
+    """The CPU slot pools that given workers' backends expose as ``pool`` (the kvfsm backends do; the
+    ``CopyBackend`` protocol does not require it), in rank order; ranks without one are left out."""
+    pools: list[CPUSlotPool] = []
+    for w in workers:
+        pool = getattr(w.backend, "pool", None)
+        if isinstance(pool, CPUSlotPool):
+            pools.append(pool)
+    return pools
+
+
 def _check_workers(cfg: EngineConfig, workers: Sequence[OffloadingWorker], manager_slots: int | None) -> None:
     """The geometry of given workers against the config and the manager; raises before anything is built."""
     if len(workers) != cfg.world_size:
@@ -217,7 +228,9 @@ class ReferenceEngine(EngineLoop):
       copy_threads)`` (default :func:`~kvfsm.data.worker.default_backend`).
     - ``manager``: a manager of your own instead (not with ``tiers``); its CPU primary may not have more
       slots than the engine's pools (``num_cpu_slots``).
-    - ``workers``: W workers of your own instead (not with ``backend_factory``), checked against the config.
+    - ``workers``: W workers of your own instead (not with ``backend_factory``), checked against the config
+      and the manager (rank order, world size, and the slots and chunk size of the CPU pool each backend
+      exposes as ``pool``, if any; tiers need every rank's).
     - ``deadlines`` and ``clock`` go to the connector's scheduler half and the tiering manager (see
       :mod:`kvfsm.control.deadlines`).
 
@@ -249,7 +262,8 @@ class ReferenceEngine(EngineLoop):
         for i, tier in enumerate(tiers):
             if not isinstance(tier, SecondaryTier):
                 raise ConfigError(f"tiers[{i}] is a {type(tier).__name__}; expected a SecondaryTier")
-        manager_slots = None if manager is None else _primary_slots(manager)
+        # The CPU primary's slot count: the given manager's, or the one the engine builds (num_cpu_slots).
+        manager_slots = cfg.num_cpu_slots if manager is None else _primary_slots(manager)
         if workers is None:
             if manager_slots is not None and manager_slots > cfg.num_cpu_slots:
                 raise ConfigError(
@@ -271,22 +285,32 @@ class ReferenceEngine(EngineLoop):
         )
         self.kv_caches = allocate_kv_caches(self.kv_spec)
         self.tensor_memory = TensorMemory(self.kv_caches, self.kv_spec.dtype)
+        pools: list[CPUSlotPool] = []
+
+        def pool_factory(*args: Any) -> CPUSlotPool:
+            pools.append(CPUSlotPool(*args))
+            return pools[-1]
+
         if workers is None:
             workers = make_workers(
                 self.kv_caches,
-                CPUSlotPool,
+                pool_factory,
                 cfg.world_size,
                 cfg.blocks_per_chunk,
                 cfg.num_cpu_slots,
                 cfg.copy_threads,
                 backend_factory or default_backend,
             )
+        else:
+            pools = _pools_of(workers)
+        #: Each rank's CPU slot pool (rank order); for given workers, those their backends expose as ``pool``.
+        self.pools: tuple[CPUSlotPool, ...] = tuple(pools)
         #: The secondary tiers the engine wired (empty with a manager of your own).
         self.tiers: tuple[SecondaryTier, ...] = tuple(tiers)
         if manager is None:
             primary = CPUOffloadingManager(cfg.num_cpu_slots, cfg.policy, checked=cfg.checked)
             if tiers:
-                self._bind_slot_io(tiers, workers)
+                self._bind_slot_io(tiers, self.pools, len(workers))
                 manager = TieringManager(
                     primary, tiers, checked=cfg.checked, deadlines=deadlines, clock=clock, backpressure=backpressure
                 )
@@ -299,20 +323,16 @@ class ReferenceEngine(EngineLoop):
         super().__init__(cfg, memory=self.tensor_memory, scheduler=scheduler, workers=workers, poll=cfg.poll)
 
     @staticmethod
-    def _bind_slot_io(tiers: Sequence[SecondaryTier], workers: Sequence[OffloadingWorker]) -> None:
+    def _bind_slot_io(tiers: Sequence[SecondaryTier], pools: Sequence[CPUSlotPool], world_size: int) -> None:
         """Give every tier without a ``slot_io`` the slots of all ranks' pools (rank 0's shard first)."""
         unbound = [t for t in tiers if isinstance(t, _SlotBoundTier) and t.slot_io is None]
         if not unbound:
             return
-        pools: list[CPUSlotPool] = []
-        for w in workers:
-            pool = getattr(w.backend, "pool", None)
-            if not isinstance(pool, CPUSlotPool):
-                raise ConfigError(
-                    f"rank {w.rank}'s copy backend {type(w.backend).__name__} has no CPU slot pool (a `pool` "
-                    "attribute holding a CPUSlotPool); expected one so the tiers can read and write slots"
-                )
-            pools.append(pool)
+        if len(pools) != world_size:
+            raise ConfigError(
+                f"found the CPU slot pools of {len(pools)} of {world_size} ranks; expected every given worker's "
+                "backend to expose its pool (a `pool` attribute holding a CPUSlotPool) so tiers can move slots"
+            )
         io = PoolsSlotIO(pools)
         for tier in unbound:
             tier.slot_io = io
