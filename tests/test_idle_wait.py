@@ -143,3 +143,15 @@ def test_busy_polling_is_kept_as_an_option() -> None:
         assert e.idle_waits == 0 and e.idle_wait_s == 0.0
         ge.open_all()
         e.run_until_idle()
+
+
+def test_the_bench_measures_both_poll_modes_on_the_same_work() -> None:
+    from kvfsm.bench.drain import CPU_DRAIN_REQUESTS, drain_cpu_point, promotion_cpu_point
+
+    drain = drain_cpu_point(repeats=1)
+    assert [r.poll for r in drain.busy + drain.wait] == [PollMode.BUSY, PollMode.WAIT]
+    assert all(r.jobs == CPU_DRAIN_REQUESTS and r.steps > 0 and r.cpu_s >= 0 for r in drain.busy + drain.wait)
+    promo = promotion_cpu_point(repeats=1)  # each warm run loaded its prefix from disk, verified
+    assert [r.jobs for r in promo.busy + promo.wait] == [1, 1]
+    d = promo.as_dict()
+    assert set(d) >= {"busy", "wait", "ratio_busy_over_wait_engine_cpu_ms_per_job"}

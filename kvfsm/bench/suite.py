@@ -353,6 +353,7 @@ def _section_drain(opts: _Options, report: BenchReport) -> str:
             ("engine thread CPU ms", "engine_cpu_ms_per_job", 3),
             ("process CPU ms", "cpu_ms_per_job", 3),
             ("steps", "steps", 0),
+            ("wall s", "wall_s", 4),
         )
     ]
     jobs = cpu.busy[0].jobs
