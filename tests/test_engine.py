@@ -26,6 +26,7 @@ from helpers import (
     tokens,
 )
 
+from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.types import LookupResult, ReqContext
 from kvfsm.engine.core import EngineConfig, ReferenceEngine, StepRecord
 from kvfsm.engine.requests import EngineRequest, RequestStatus
@@ -279,6 +280,63 @@ def test_duplicate_request_id_raises_and_changes_nothing() -> None:
         assert a.is_finished and len(e.finished) == 1
 
 
+def test_duplicate_late_arrival_is_rejected_on_entry_and_the_engine_keeps_stepping() -> None:
+    # Issue 13, bug 3: add_request_during_next_step() did not check the id, so the duplicate reached the
+    # next step's admission and every later step() raised DuplicateRequestError.
+    with gated_engine(engine_config(), release_on_wait=True) as ge:
+        e = ge.engine
+        a, b, c = (e.make_request(r, tokens(r, 6), 1) for r in "ABC")
+        e.add_request(a)
+        assert e.step() is not None  # A admitted
+        e.add_request(b)  # B queued in the inbox
+        e.add_request_during_next_step(c)  # C in the late-arrival list
+        for dup in ("A", "B", "C"):
+            with pytest.raises(DuplicateRequestError, match=f"'{dup}'.*expected a new id"):
+                e.add_request_during_next_step(e.make_request(dup, tokens("dup", 4), 1))
+        with pytest.raises(DuplicateRequestError, match="'C'"):
+            e.add_request(e.make_request("C", tokens("dup", 4), 1))  # the late list is checked too
+        assert list(e.requests) == ["A"]  # state unchanged by the refused calls
+        run_released(ge)  # never raises
+        assert list(e.requests) == ["A", "B", "C"]
+        assert [r.req_id for r in e.finished] == ["A", "B", "C"] and e.state is EngineState.IDLE
+        assert e.requests["C"] is c and c.is_finished
+
+
+def test_manager_with_more_slots_than_the_cpu_pools_is_refused_at_construction() -> None:
+    # Issue 13, bug 4: the engine took it; the first store to slot >= num_cpu_slots raised ConfigError
+    # mid-step and left the engine stuck in running.
+    manager = CPUOffloadingManager(8)
+    with pytest.raises(ConfigError, match=r"8 slots.*num_cpu_slots=4"):
+        ReferenceEngine(engine_config(num_cpu_slots=4), manager=manager)
+    assert manager.num_free == 8  # untouched
+    engine = ReferenceEngine(engine_config(num_cpu_slots=8), manager=manager)  # a pool that fits
+    engine.add_request(engine.make_request("A", tokens("A", 30), 1))
+    engine.run_until_idle()
+    assert engine.state is EngineState.IDLE and manager.num_free < 8
+    engine.shutdown()
+
+
+def test_given_workers_are_checked_against_the_manager_and_the_config() -> None:
+    big = ReferenceEngine(engine_config(world_size=2, num_cpu_slots=8))
+    small = ReferenceEngine(engine_config(world_size=2, num_cpu_slots=4))
+    try:
+        with pytest.raises(ConfigError, match=r"rank 0's CPU pool has 4 slots.*manager's CPU primary has 8"):
+            ReferenceEngine(engine_config(world_size=2), manager=CPUOffloadingManager(8), workers=small.workers)
+        with pytest.raises(ConfigError, match=r"has 4 slots but the manager's CPU primary has 64"):
+            ReferenceEngine(engine_config(world_size=2, num_cpu_slots=64), workers=small.workers)  # its own manager
+        with pytest.raises(ConfigError, match="worker 0 has rank=1"):
+            ReferenceEngine(engine_config(world_size=2), workers=big.workers[::-1])
+        with pytest.raises(ConfigError, match="expected world_size=1"):
+            ReferenceEngine(engine_config(world_size=1), workers=big.workers)
+        with pytest.raises(ConfigError, match="worker 0 has rank=0, world_size=2; expected rank=0, world_size=1"):
+            ReferenceEngine(engine_config(world_size=1), workers=big.workers[:1])
+        with pytest.raises(ConfigError, match="blocks per slot; expected blocks_per_chunk=2"):
+            ReferenceEngine(engine_config(world_size=2, blocks_per_chunk=2, num_cpu_slots=8), workers=big.workers)
+    finally:
+        big.shutdown()
+        small.shutdown()
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -287,6 +345,7 @@ def test_duplicate_request_id_raises_and_changes_nothing() -> None:
         pytest.param({"tokens_per_block": 0}, id="tokens_per_block=0"),
         pytest.param({"num_cpu_slots": 0}, id="num_cpu_slots=0"),
         pytest.param({"world_size": True}, id="bool-world-size"),
+        pytest.param({"poll": "spin"}, id="unknown-poll-mode"),
     ],
 )
 def test_engine_config_errors(overrides: dict[str, object]) -> None:

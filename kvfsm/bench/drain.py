@@ -10,12 +10,20 @@ The stand-in forward of the reference engine computes a deterministic pattern pe
 thousands of blocks that is seconds of set-up per run, so the benchmark engine writes one precomputed
 pattern per layer instead (:class:`_BenchEngine`). Nothing else changes: the same scheduler, workers,
 copy backend and engine machine, and the measured window does not include the forward of A.
+
+The CPU cost of a drain (:func:`measure_drain_cpu`): 8 requests finish in one step leaving their stores
+in flight, and the engine (a CPU primary in front of a file-system tier) steps until idle with nothing
+else to do: the copies, then the cascades to disk. Per drained (committed) store job: the process's CPU
+time (``time.process_time``: the engine thread and the copy threads), the engine thread's alone
+(``time.thread_time``) and the steps taken, for ``PollMode.BUSY`` (every polling step returns at once,
+the behaviour before issue 13) against ``PollMode.WAIT`` (a polling step waits on the readiness signal).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,20 +31,28 @@ import torch
 from typing_extensions import override
 
 from kvfsm.control.config import DrainMode
-from kvfsm.engine.core import EngineConfig, ReferenceEngine
+from kvfsm.engine.core import EngineConfig, PollMode, ReferenceEngine
 from kvfsm.errors import ConfigError
 from kvfsm.machines.names import EngineState
 
 __all__ = [
+    "CPU_DRAIN_BLOCKS",
+    "CPU_DRAIN_REQUESTS",
     "FULL_SIZES_MIB",
+    "PROMOTION_BLOCKS",
     "QUICK_SIZES_MIB",
+    "DrainCpuPoint",
+    "DrainCpuResult",
     "DrainPoint",
     "DrainResult",
     "block_bytes",
     "compress_timeline",
+    "drain_cpu_point",
     "drain_sweep",
     "measure_drain",
+    "measure_drain_cpu",
     "measure_drain_rounds",
+    "promotion_cpu_point",
 ]
 
 FULL_SIZES_MIB: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
@@ -96,8 +112,9 @@ class DrainResult:
     timeline: str
 
 
-def _config(mode: DrainMode, blocks: int) -> EngineConfig:
+def _config(mode: DrainMode, blocks: int, poll: PollMode = PollMode.WAIT) -> EngineConfig:
     return EngineConfig(
+        poll=poll,
         num_layers=_LAYERS,
         num_heads=_HEADS,
         head_dim=_HEAD_DIM,
@@ -242,3 +259,183 @@ def drain_sweep(
         if on_point is not None:
             on_point(point)
     return points
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+#: The CPU-per-drained-job rounds: this many requests finish in one step, each leaving one store job of
+#: this many blocks (256 KiB each: 8 x 2 MiB), which then also cascade to a file-system tier.
+CPU_DRAIN_REQUESTS = 8
+CPU_DRAIN_BLOCKS = 8
+
+
+class _BenchTierEngine(_BenchEngine):
+    """The benchmark engine with a file-system tier behind its CPU primary."""
+
+    def __init__(self, config: EngineConfig, root: str) -> None:
+        from kvfsm.tiers.fs import FileSystemTier
+
+        ReferenceEngine.__init__(self, config, tiers=[FileSystemTier(root, scan=False)])
+        self._patterns = {}
+
+
+@dataclass(frozen=True, slots=True)
+class DrainCpuResult:
+    """One drain: the requests finished; ``jobs`` store jobs committed while the engine stepped ``steps``
+    times (until idle: their cascades to the file-system tier done too)."""
+
+    poll: PollMode
+    jobs: int
+    steps: int
+    #: CPU seconds of the whole process (engine thread, copy threads, tier I/O threads) during the drain.
+    cpu_s: float
+    #: CPU seconds of the engine thread alone.
+    engine_cpu_s: float
+    wall_s: float
+
+    @property
+    def cpu_ms_per_job(self) -> float:
+        return self.cpu_s * 1e3 / self.jobs
+
+    @property
+    def engine_cpu_ms_per_job(self) -> float:
+        return self.engine_cpu_s * 1e3 / self.jobs
+
+    @property
+    def steps_per_job(self) -> float:
+        return self.steps / self.jobs
+
+
+def _cpu_round(engine: ReferenceEngine, rng: random.Random, tag: str) -> DrainCpuResult:
+    for i in range(CPU_DRAIN_REQUESTS):
+        prompt = [rng.randrange(1, 30000) for _ in range(CPU_DRAIN_BLOCKS * _TPB + 1)]
+        engine.add_request(engine.make_request(f"A{tag}-{i}", prompt, max_tokens=1))
+    while engine.state is not EngineState.FINISHING:
+        if engine.step() is None:
+            raise AssertionError("engine went idle before the requests finished")
+    committed = engine.scheduler.stats.committed_stores
+    cpu0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+    steps = engine.run_until_idle(max_steps=10_000_000)
+    wall = time.perf_counter() - wall0
+    cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+    jobs = engine.scheduler.stats.committed_stores - committed
+    if jobs <= 0:
+        raise AssertionError("the requests left no stores to drain")
+    return DrainCpuResult(engine.config.poll, jobs, steps, cpu, thread, wall)
+
+
+def measure_drain_cpu(poll: PollMode, seed: int = 0, repeats: int = 3) -> list[DrainCpuResult]:
+    """``repeats`` drains on one engine (CPU primary and a file-system tier) polling in ``poll`` mode."""
+    import tempfile
+
+    blocks = CPU_DRAIN_REQUESTS * (CPU_DRAIN_BLOCKS + 1)
+    config = EngineConfig(
+        poll=poll,
+        num_layers=_LAYERS,
+        num_heads=_HEADS,
+        head_dim=_HEAD_DIM,
+        tokens_per_block=_TPB,
+        num_gpu_blocks=blocks + 16,
+        num_cpu_slots=blocks * (repeats + 2),  # no eviction: every round drains the same work
+        dtype=torch.float16,
+        max_num_batched_tokens=(blocks + 2) * _TPB,
+    )
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="kvfsm-bench-") as root:
+        engine = _BenchTierEngine(config, root)
+        try:
+            _cpu_round(engine, rng, "warm")  # faults the pools and the KV cache in
+            return [_cpu_round(engine, rng, str(i)) for i in range(repeats)]
+        finally:
+            engine.shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class DrainCpuPoint:
+    """Both poll modes on the same drains: medians over the rounds."""
+
+    busy: list[DrainCpuResult]
+    wait: list[DrainCpuResult]
+
+    @staticmethod
+    def median(results: list[DrainCpuResult], what: str) -> float:
+        return statistics.median(float(getattr(r, what)) for r in results)
+
+    def ratio(self, what: str) -> float:
+        """busy / wait of the median of ``what`` (a DrainCpuResult property)."""
+        w = self.median(self.wait, what)
+        return self.median(self.busy, what) / w if w > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, object]:
+        metrics = ("cpu_ms_per_job", "engine_cpu_ms_per_job", "steps_per_job", "wall_s")
+
+        def side(results: list[DrainCpuResult]) -> dict[str, object]:
+            out: dict[str, object] = {f"{m}_median": self.median(results, m) for m in metrics}
+            out["jobs"] = [r.jobs for r in results]
+            out["steps"] = [r.steps for r in results]
+            out["cpu_s"] = [r.cpu_s for r in results]
+            out["engine_cpu_s"] = [r.engine_cpu_s for r in results]
+            out["wall_s"] = [r.wall_s for r in results]
+            return out
+
+        return {
+            "busy": side(self.busy),
+            "wait": side(self.wait),
+            **{f"ratio_busy_over_wait_{m}": self.ratio(m) for m in metrics},
+        }
+
+
+def drain_cpu_point(repeats: int = 3, seed: int = 0) -> DrainCpuPoint:
+    """The same drains polled busily and with the readiness wait, one after the other."""
+    busy = measure_drain_cpu(PollMode.BUSY, seed, repeats)
+    wait = measure_drain_cpu(PollMode.WAIT, seed, repeats)
+    return DrainCpuPoint(busy, wait)
+
+
+#: Blocks of the prompt whose KV a second engine promotes from the file-system tier (issue 13: about
+#: 1,229 busy engine steps for 4 blocks).
+PROMOTION_BLOCKS = 4
+
+
+def _promotion_round(poll: PollMode, root: str, rng: random.Random) -> DrainCpuResult:
+    """A cold engine stores a prompt's KV down to disk; a fresh engine over the same directory runs it
+    again: its lookup promotes the chunks from disk and loads them. Measured: that second run."""
+    from kvfsm.tiers.fs import FileSystemTier
+
+    config = EngineConfig(poll=poll, device="cpu", tokens_per_block=_TPB, num_cpu_slots=16)
+    prompt = [rng.randrange(1, 30000) for _ in range(PROMOTION_BLOCKS * _TPB + 1)]
+    result: DrainCpuResult | None = None
+    for run in ("cold", "warm"):
+        tier = FileSystemTier(root)
+        if not tier.wait_scan(60.0):
+            raise AssertionError("the file-system tier's scan never finished")
+        engine = ReferenceEngine(config, tiers=[tier])
+        try:
+            engine.add_request(engine.make_request(run, prompt, max_tokens=1))
+            cpu0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+            steps = engine.run_until_idle(max_steps=10_000_000)
+            wall = time.perf_counter() - wall0
+            cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
+        finally:
+            engine.shutdown()
+        if run == "warm":
+            if engine.integrity.loads_completed != 1 or engine.integrity.mismatches:
+                raise AssertionError(f"the warm run did not load its prefix from disk: {engine.integrity}")
+            result = DrainCpuResult(poll, 1, steps, cpu, thread, wall)
+    assert result is not None
+    return result
+
+
+def promotion_cpu_point(repeats: int = 3, seed: int = 0) -> DrainCpuPoint:
+    """A 4-block promotion from a file-system tier, busy polling against the readiness wait (per
+    promoted request: ``jobs`` is 1)."""
+    import tempfile
+
+    rng = random.Random(seed)
+    sides: dict[PollMode, list[DrainCpuResult]] = {PollMode.BUSY: [], PollMode.WAIT: []}
+    for _ in range(repeats):
+        for poll, results in sides.items():
+            with tempfile.TemporaryDirectory(prefix="kvfsm-bench-") as root:
+                results.append(_promotion_round(poll, root, rng))
+    return DrainCpuPoint(sides[PollMode.BUSY], sides[PollMode.WAIT])

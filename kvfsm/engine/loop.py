@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 from kvfsm.control.deadlines import (
@@ -40,12 +41,33 @@ from kvfsm.errors import DuplicateRequestError, KvfsmError, UnknownRequestError
 from kvfsm.machines import engine_machine
 from kvfsm.machines.names import EngineEffect, EngineEvent, EngineState
 
-__all__ = ["EngineLoop", "IntegrityStats", "KVMemory", "StepRecord", "partial_block_key"]
+__all__ = ["EngineLoop", "IntegrityStats", "KVMemory", "PollMode", "StepRecord", "partial_block_key"]
 
 logger = logging.getLogger(__name__)
 
 #: Time a bounded shutdown still gives each phase once its deadline has passed (the "small margin").
 _SHUTDOWN_GRACE_S = 0.05
+
+#: The idle wait of an idle-polling step (``PollMode.WAIT``): the first one waits this long at most...
+IDLE_WAIT_MIN_S = 50e-6
+#: ...each further one in a row twice as long, up to this bound (the most a finished transfer that sends
+#: no signal waits to be noticed).
+IDLE_WAIT_MAX_S = 1e-3
+
+
+class PollMode(Enum):
+    """How an engine step that had nothing to do but poll its transfers ends (``EngineConfig.poll``).
+
+    ``WAIT`` (the default): it waits on the engine's readiness signal (a new request, or
+    :meth:`EngineLoop.notify`) for a short bounded time that doubles while such steps follow each other
+    (``IDLE_WAIT_MIN_S`` up to ``IDLE_WAIT_MAX_S``), so waiting on loads, promotions or a drain costs little
+    CPU. A new request ends the wait at once: it is still admitted at the very next step. ``BUSY``: it
+    returns at once (a polling step only yields the GIL), the behaviour before the wait existed, kept to
+    measure against (``kvfsm bench``, drain section).
+    """
+
+    WAIT = "wait"
+    BUSY = "busy"
 
 
 class KVMemory(Protocol):
@@ -127,6 +149,7 @@ class EngineLoop:
         scheduler: OffloadingScheduler,
         workers: list[OffloadingWorker],
         threaded: bool = True,
+        poll: PollMode = PollMode.WAIT,
     ) -> None:
         self.tokens_per_block = geometry.tokens_per_block
         self.max_num_batched_tokens = geometry.max_num_batched_tokens
@@ -138,6 +161,13 @@ class EngineLoop:
         self.block_pool = BlockPool(num_gpu_blocks)
         self.state = EngineState.IDLE
         self._threaded = threaded
+        self.poll_mode = poll
+        #: Set by whatever may give an idle-polling step something to do (an arrival, :meth:`notify`).
+        self._wake = threading.Event()
+        self._idle_streak = 0  # idle-polling steps in a row
+        #: Time idle-polling steps spent waiting for the readiness signal, and how many waited.
+        self.idle_wait_s = 0.0
+        self.idle_waits = 0
         self._machine = engine_machine()
         self._inbox: deque[EngineRequest] = deque()
         self._inbox_lock = threading.Lock()
@@ -172,21 +202,43 @@ class EngineLoop:
     def make_request(self, req_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
         return EngineRequest(req_id, prompt, max_tokens, self.tokens_per_block)
 
+    def _check_new_id(self, req_id: str) -> None:
+        """Raise DuplicateRequestError if ``req_id`` is known: admitted (live or finished), queued in the
+        inbox, or waiting in the late-arrival list. Call with ``_inbox_lock`` held."""
+        if (
+            req_id in self.requests
+            or any(r.req_id == req_id for r in self._inbox)
+            or any(r.req_id == req_id for r in self._late_arrivals)
+        ):
+            raise DuplicateRequestError(f"request id {req_id!r} is already in use; expected a new id")
+
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; thread-safe. It is admitted at the start of the next step."""
+        """Queue a request; thread-safe. It is admitted at the start of the next step.
+
+        Raises DuplicateRequestError (and queues nothing) if its id is already in use.
+        """
         with self._inbox_lock:
-            if request.req_id in self.requests or any(r.req_id == request.req_id for r in self._inbox):
-                raise DuplicateRequestError(f"request id {request.req_id!r} is already in use; expected a new id")
+            self._check_new_id(request.req_id)
             request.arrival_time = time.perf_counter()
             self._inbox.append(request)
+        self._wake.set()
 
     def add_request_during_next_step(self, request: EngineRequest) -> None:
         """Queue a request that arrives while the next step runs (after its admission phase).
 
         Models a request reaching the engine-core input queue mid-step: it is admitted one step later,
-        after whatever that step blocks on.
+        after whatever that step blocks on. Raises DuplicateRequestError (and queues nothing) if its id is
+        already in use, checked now, so a bad id never reaches a step.
         """
-        self._late_arrivals.append(request)
+        with self._inbox_lock:
+            self._check_new_id(request.req_id)
+            self._late_arrivals.append(request)
+        self._wake.set()
+
+    def notify(self) -> None:
+        """Wake a step that waits for something to do (thread-safe). Arrivals call it; a copy backend or a
+        tier may call it when a transfer finishes, so the engine notices before its idle wait ends."""
+        self._wake.set()
 
     def wait_for_transfers(self) -> None:
         """Block until every launched copy finished (tests and shutdown only: makes completion explicit)."""
@@ -213,20 +265,23 @@ class EngineLoop:
 
     def step(self) -> StepRecord | None:
         """One engine iteration. Returns None when idle with nothing to do."""
+        self._wake.clear()  # before admission: whatever arrives from here on ends this step's idle wait
         if self.state is EngineState.IDLE:
             self._admit_late()  # an idle engine has no step for them to arrive during
-        self._admit()
+        admitted = self._admit()
         if self.state is EngineState.IDLE:
             return None
         self.step_count += 1
         self._admit_late()
+        state_before = self.state
         plan = self._schedule()
         meta = self.scheduler.build_connector_meta(
             SchedulerOutput(tuple(plan.scheduled), frozenset(plan.preempted), frozenset(plan.allocated))
         )
         if meta.jobs_to_flush:
             self.blocking_waits += 1
-        if self._threaded and not plan.scheduled and self.state is EngineState.DRAINING:
+        busy = self.poll_mode is PollMode.BUSY
+        if busy and self._threaded and not plan.scheduled and self.state is EngineState.DRAINING:
             # A pure polling step: let the CPU copy threads take the GIL (a yield, not a wait; GPU copies
             # don't need it). Not in the finishing step, which plans the final stores.
             time.sleep(0)
@@ -235,9 +290,16 @@ class EngineLoop:
         self._forward(plan)
         for w in self.workers:
             w.after_forward(meta)
-        self._collect()
+        reported = self._collect()
         self._finish_loads()
         self._settle()
+        did_work = bool(
+            admitted or plan.scheduled or plan.preempted or meta.store_jobs or meta.load_jobs or meta.jobs_to_flush
+        )
+        if did_work or reported or self.state is not state_before:
+            self._idle_streak = 0
+        elif not busy and self._threaded and self.current_state() is not EngineState.IDLE:
+            self._idle_wait()
         rec = StepRecord(
             self.step_count,
             self.state,
@@ -249,12 +311,30 @@ class EngineLoop:
         self.timeline.append(rec)
         return rec
 
-    def _collect(self) -> None:
-        """Every worker's poll, summed, to the connector."""
+    def _collect(self) -> bool:
+        """Every worker's poll, summed, to the connector; True if any job reported."""
         out = WorkerOutput()
         for w in self.workers:
             out.merge(w.poll())
         self.scheduler.update_connector_output(out)
+        return bool(out.completed or out.failed or out.finished_recving)
+
+    def _idle_wait(self) -> None:
+        """The end of a step that only polled: wait for the readiness signal, a bounded and growing time.
+
+        Never a wait on a transfer: a copy or a tier job that finishes is noticed by the next step's poll
+        (at the latest ``IDLE_WAIT_MAX_S`` later, at once if it calls :meth:`notify`), and a new request
+        ends the wait at once.
+        """
+        with self._inbox_lock:
+            if self._inbox or self._late_arrivals:
+                return  # arrivals to admit next step: no waiting
+        timeout = min(IDLE_WAIT_MAX_S, IDLE_WAIT_MIN_S * (1 << min(self._idle_streak, 16)))
+        self._idle_streak += 1
+        t0 = time.perf_counter()
+        self._wake.wait(timeout)
+        self.idle_wait_s += time.perf_counter() - t0
+        self.idle_waits += 1
 
     def run_until_idle(self, max_steps: int = 100_000) -> int:
         """Step until the engine is idle; returns the number of steps taken."""
@@ -266,11 +346,15 @@ class EngineLoop:
         return taken
 
     def _admit_late(self) -> None:
-        for late in self._late_arrivals:
-            self.add_request(late)
-        self._late_arrivals.clear()
+        with self._inbox_lock:
+            late, self._late_arrivals = self._late_arrivals, []
+            now = time.perf_counter()
+            for req in late:  # ids were checked on entry: none can clash with the inbox or the admitted
+                req.arrival_time = now
+                self._inbox.append(req)
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Admit the inbox; True if anything arrived."""
         with self._inbox_lock:
             arrivals = list(self._inbox)
             self._inbox.clear()
@@ -281,6 +365,7 @@ class EngineLoop:
             self.waiting.append(req)
         if arrivals:
             self._machine.fire(self, EngineEvent.ADMIT)
+        return bool(arrivals)
 
     def _settle(self) -> None:
         event = settle_event(self.state, self.has_unfinished_requests())

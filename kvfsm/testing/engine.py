@@ -21,10 +21,10 @@ import torch
 from typing_extensions import override
 
 from kvfsm.control.deadlines import ManualClock
+from kvfsm.control.worker import CopyBackend
 from kvfsm.data.backend import ThreadPoolCopyBackend
-from kvfsm.data.layout import head_shard, shard_kv_caches
+from kvfsm.data.layout import head_shard
 from kvfsm.data.pool import CPUSlotPool
-from kvfsm.data.worker import OffloadingWorker
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
 from kvfsm.testing.backend import ManualCopyBackend
 from kvfsm.testing.control import LoopHarness
@@ -35,7 +35,8 @@ __all__ = ["EngineHarness", "EngineStateMachine", "PoolsSlotIO"]
 
 
 class PoolsSlotIO:
-    """A tier's view of a CPU slot over W workers' pools: the ranks' bytes, concatenated."""
+    """A tier's view of a CPU slot over W workers' pools: the ranks' bytes, concatenated. Bound late: the
+    harness's manager (and its tier) exists before the engine has built the pools."""
 
     def __init__(self, pools: Sequence[CPUSlotPool] = ()) -> None:
         self.pools: list[CPUSlotPool] = list(pools)
@@ -76,25 +77,24 @@ class EngineHarness(LoopHarness):
             copy_threads=1,
             device=device,
         )
-        self.engine = engine = ReferenceEngine(
-            engine_config, manager=manager, deadlines=config.deadlines, clock=self.clock
-        )
-        for w in engine.workers:
-            w.shutdown()  # never started a copy: replaced by manual ones over the same KV caches
-        world = config.world_size
         self.backends: list[ManualCopyBackend] = []
         self.pools: list[CPUSlotPool] = []
-        workers: list[OffloadingWorker] = []
-        for rank in range(world):
-            shard = shard_kv_caches(engine.kv_caches, world, rank)
-            block_shape = tuple(int(d) for d in shard[0].shape[1:])
-            pool = CPUSlotPool(config.num_cpu_slots, config.blocks_per_chunk, block_shape, len(shard), shard[0].dtype)
-            backend = ManualCopyBackend(ThreadPoolCopyBackend(shard, pool, config.blocks_per_chunk, max_workers=1))
+
+        def manual_backend(shard: list[torch.Tensor], pool: CPUSlotPool, bpc: int, threads: int) -> CopyBackend:
+            backend = ManualCopyBackend(ThreadPoolCopyBackend(shard, pool, bpc, max_workers=threads))
             self.pools.append(pool)
             self.backends.append(backend)
-            workers.append(OffloadingWorker(rank, world, backend))
-        engine.workers = workers
+            return backend
+
+        self.engine = ReferenceEngine(
+            engine_config,
+            manager=manager,
+            deadlines=config.deadlines,
+            clock=self.clock,
+            backend_factory=manual_backend,
+        )
         io.pools = self.pools
+        world = config.world_size
         self._shards = [head_shard(engine_config.num_heads, world, rank) for rank in range(world)]
         self._expected: dict[tuple[bytes, int, int], torch.Tensor] = {}
 
