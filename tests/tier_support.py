@@ -85,6 +85,9 @@ class FsRig:
                 spec = self.tm.prepare_load([key], R1)
                 data = self.io.data[spec.slot_ids[0]]
                 self.tm.complete_load([key], R1)
+                # The scheduler step that read it ends, as an engine's does: a HIT is protected from this
+                # step's promotions only (spec/README.md, "A lookup always makes progress").
+                self.tm.on_schedule_end()
                 return data
             if answer is MISS:
                 return None
