@@ -285,10 +285,10 @@ def make_gated_engine(config: EngineConfig, *, release_on_wait: bool = False) ->
     are shut down at once (their thread pools never started) and replaced by gated ones over the same
     KV caches.
     """
+    from kvfsm.control.worker import OffloadingWorker
     from kvfsm.data.backend import ThreadPoolCopyBackend
     from kvfsm.data.layout import shard_kv_caches
     from kvfsm.data.pool import CPUSlotPool
-    from kvfsm.data.worker import OffloadingWorker
     from kvfsm.engine.core import ReferenceEngine
 
     engine = ReferenceEngine(config)

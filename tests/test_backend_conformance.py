@@ -32,8 +32,8 @@ from kvfsm.control.job import Job
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.control.worker import CopyBackend
 from kvfsm.data import CPUSlotPool, OffloadingWorker, ThreadPoolCopyBackend
-from kvfsm.data.backend import CopyBackend
 from kvfsm.data.calibration import CalibrationTable, Choice
 from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice
 from kvfsm.data.cuda.backend import _segments

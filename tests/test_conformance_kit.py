@@ -157,7 +157,8 @@ def test_copy_backends_pass_the_backend_kit() -> None:
     pytest.importorskip("torch")
     import torch
 
-    from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+    from kvfsm.control.worker import CopyBackend
+    from kvfsm.data.backend import ThreadPoolCopyBackend
     from kvfsm.data.pool import CPUSlotPool
     from kvfsm.testing import CopyBackendStateMachine, ManualCopyBackend
 
@@ -184,7 +185,8 @@ def test_the_backend_kit_finds_a_broken_backend() -> None:
     import torch
 
     from kvfsm.control.types import GPUBlockSpec, SlotSpec
-    from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend
+    from kvfsm.control.worker import CopyBackend
+    from kvfsm.data.backend import ThreadPoolCopyBackend
     from kvfsm.data.pool import CPUSlotPool
     from kvfsm.testing import CopyBackendStateMachine
 

@@ -238,9 +238,9 @@ def test_a_prefix_larger_than_the_primary_is_scheduled() -> None:
     # Regression (issue 13, bug 1): each promotion evicted a chunk the same lookup hit, so the request was
     # deferred forever. Now it promotes what fits and computes the rest.
     pytest.importorskip("torch")
+    from kvfsm.control.requests import chain_block_hashes
     from kvfsm.control.types import make_offload_key
     from kvfsm.engine.core import ReferenceEngine
-    from kvfsm.engine.requests import chain_block_hashes
     from kvfsm.tiers.memory import InMemoryTier
 
     engine, tier = _tiered_engine(2, autocomplete=True)

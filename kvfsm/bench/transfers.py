@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.data.backend import CopyBackend, ThreadPoolCopyBackend, copy_executor
+from kvfsm.control.worker import CopyBackend
+from kvfsm.data.backend import ThreadPoolCopyBackend, copy_executor
 from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.pool import CPUSlotPool
 

@@ -5,7 +5,8 @@ Needs the ``torch`` extra. Nothing in :mod:`kvfsm.control` imports this package.
 
 from __future__ import annotations
 
-from kvfsm.data.backend import CopyBackend, CopyStats, ThreadPoolCopyBackend, chunk_rows
+from kvfsm.control.worker import CopyBackend, OffloadingWorker
+from kvfsm.data.backend import CopyStats, ThreadPoolCopyBackend, chunk_rows
 from kvfsm.data.calibration import CalibrationTable
 from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice
 from kvfsm.data.layout import (
@@ -19,7 +20,7 @@ from kvfsm.data.layout import (
 )
 from kvfsm.data.plan import Registration
 from kvfsm.data.pool import CPUSlotPool
-from kvfsm.data.worker import BackendFactory, OffloadingWorker, PoolFactory, default_backend, make_workers
+from kvfsm.data.worker import BackendFactory, PoolFactory, default_backend, make_workers
 
 __all__ = [
     "BackendFactory",

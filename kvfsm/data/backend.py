@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.control.worker import CopyBackend
 from kvfsm.data.calibration import CalibrationTable, Choice, cached_table
 from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.layout import is_int
@@ -53,7 +52,6 @@ from kvfsm.errors import ConfigError, KvfsmError
 
 __all__ = [
     "COPY_PATHS",
-    "CopyBackend",
     "CopyStats",
     "CopyStatsMixin",
     "CopyTally",

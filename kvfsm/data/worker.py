@@ -17,7 +17,7 @@ from kvfsm.data.cuda import CudaCopyBackend
 from kvfsm.data.layout import shard_kv_caches
 from kvfsm.data.pool import CPUSlotPool
 
-__all__ = ["BackendFactory", "OffloadingWorker", "PoolFactory", "default_backend", "make_workers"]
+__all__ = ["BackendFactory", "PoolFactory", "default_backend", "make_workers"]
 
 #: Builds one rank's pool: ``(num_slots, blocks_per_chunk, block_shape, num_layers, dtype)``;
 #: :class:`CPUSlotPool` itself is one.

@@ -22,9 +22,10 @@ from kvfsm.control.deadlines import Clock, Deadlines
 from kvfsm.control.manager import OffloadingManager, SecondaryTier
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import BackpressureConfig, TieringManager
+from kvfsm.control.worker import OffloadingWorker
 from kvfsm.data.layout import KVCacheSpec, allocate_kv_caches
 from kvfsm.data.pool import CPUSlotPool
-from kvfsm.data.worker import BackendFactory, OffloadingWorker, default_backend, make_workers
+from kvfsm.data.worker import BackendFactory, default_backend, make_workers
 from kvfsm.engine.loop import EngineLoop, IntegrityStats, PollMode, StepRecord
 from kvfsm.engine.tensor_memory import TensorMemory
 from kvfsm.errors import ConfigError

@@ -7,9 +7,9 @@ from enum import Enum
 
 from typing_extensions import override
 
-from kvfsm.control.requests import TokenRequest, chain_block_hashes
+from kvfsm.control.requests import TokenRequest
 
-__all__ = ["EngineRequest", "RequestStatus", "chain_block_hashes"]
+__all__ = ["EngineRequest", "RequestStatus"]
 
 
 class RequestStatus(Enum):

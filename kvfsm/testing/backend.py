@@ -36,7 +36,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from typing_extensions import override
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.data.backend import CopyBackend, chunk_rows
+from kvfsm.control.worker import CopyBackend
+from kvfsm.data.backend import chunk_rows
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.errors import ConfigError
 
