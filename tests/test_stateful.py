@@ -149,8 +149,8 @@ def test_covers_on_a_method_that_is_not_a_rule_fails() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- found bugs
-# Defects the machines found in code outside this scope. Each is pinned by a strict xfail (so
-# fixing it turns the test red until the marker and the machine's workaround are removed).
+# Defects the machines once found (the promotion livelock and the unbounded shutdown that did not drain the
+# tiers), kept as regression tests now that they are fixed.
 
 
 def _tiered_engine(num_cpu_slots: int, *, autocomplete: bool) -> tuple[object, object]:

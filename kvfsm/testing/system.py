@@ -633,11 +633,6 @@ class SystemStateMachine(RuleBasedStateMachine):
         reported): it gives up on every job at once, and the late reports then release the quarantine.
         """
         h = self.h
-        if h.tier is not None:
-            # An unbounded ReferenceEngine.shutdown never waits for a tier job (it spins, then gives up):
-            # tests/test_stateful.py::test_unbounded_shutdown_waits_for_tier_jobs (xfail). A tiered system
-            # is drained to idle first.
-            self._drain_to_idle()
         if bounded:
             for job_id, rank in h.held_copies():
                 h.complete_copy(job_id, rank, ok=True)
