@@ -152,6 +152,7 @@ def fs_engine(
     deadlines: Deadlines | None = None,
     clock: Clock | None = None,
     tier_capacity_files: int | None = None,
+    durable: bool = False,
 ) -> tuple[ReferenceEngine, TieringManager, FileSystemTier]:
     """A reference engine whose manager is a CPU primary plus a file-system tier moving the real slot
     bytes of every rank's pool; with ``transfer_faults`` every worker's copies go through a
@@ -160,7 +161,7 @@ def fs_engine(
     from kvfsm.tiers.faults import FaultyCopyBackend
     from kvfsm.tiers.slotio import CompositeSlotIO, SizedSlotIO
 
-    tier = FileSystemTier(root, faults=faults, capacity_files=tier_capacity_files, checked=True)
+    tier = FileSystemTier(root, faults=faults, capacity_files=tier_capacity_files, durable=durable, checked=True)
     assert tier.wait_scan(GUARD_S)
     primary = CPUOffloadingManager(config.num_cpu_slots, config.policy, checked=True)
     tm = TieringManager(primary, [tier], checked=True, deadlines=deadlines, clock=clock)

@@ -176,6 +176,7 @@ class BlockIO:
         self.token = os.urandom(4).hex()
         self._counter = 0
         self._lock = threading.Lock()
+        self._synced_subdirs: set[str] = set()  #: subdirectories whose entry in the root was fsynced
 
     # -- names --
 
@@ -199,8 +200,13 @@ class BlockIO:
 
     # -- write --
 
-    def write(self, key: bytes, payload: bytes, version: int) -> FileInfo:
-        """Write one block atomically; returns its file. On any error nothing new is visible."""
+    def write(self, key: bytes, payload: bytes, version: int, *, sync: bool | None = None) -> FileInfo:
+        """Write one block atomically; returns its file. On any error nothing new is visible.
+
+        ``sync`` (default None: ``durable``): fsync the file before its rename and its directory after.
+        False leaves both to a later :meth:`make_durable` (the tier's background durability).
+        """
+        sync = self.durable if sync is None else sync
         data = encode(key, payload, version)
         final = self.path_of(key, version)
         final.parent.mkdir(exist_ok=True)
@@ -219,7 +225,7 @@ class BlockIO:
                     written += n
                 if written != len(data):
                     raise OSError(errno.EIO, f"short write of {tmp.name}: {written} of {len(data)} bytes")
-                if self.durable:
+                if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -229,9 +235,41 @@ class BlockIO:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        if self.durable:
+        if sync:
             self._fsync_dir(final.parent)
+            self._sync_root_once(final.parent)
         return FileInfo(str(final), version, len(data), len(payload))
+
+    def make_durable(self, info: FileInfo, key: bytes) -> bool:
+        """Make a block written with ``sync=False`` durable: fsync its data (``fs.fsync``), then its
+        directory, and the first time a subdirectory is synced, the root that names it (``fs.dirsync``;
+        the directory is the index a restart's scan rebuilds, so this persists the index entry).
+
+        Returns False if the file is gone (evicted or replaced meanwhile: nothing to make durable).
+        Raises the OSError of a failed sync: the block's bytes on disk are then in doubt.
+        """
+        self._fault("fs.fsync", key)
+        try:
+            fd = os.open(info.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._fault("fs.dirsync", key)
+        parent = Path(info.path).parent
+        self._fsync_dir(parent)
+        self._sync_root_once(parent)
+        return True
+
+    def _sync_root_once(self, subdir: Path) -> None:
+        """fsync the root the first time ``subdir`` (which it names) is made durable by this instance."""
+        with self._lock:
+            if subdir.name in self._synced_subdirs:
+                return
+            self._synced_subdirs.add(subdir.name)
+        self._fsync_dir(self.root)
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:

@@ -55,6 +55,8 @@ OPERATIONS: frozenset[str] = frozenset(
     {
         "fs.write",  # write a block file's bytes into its temporary file
         "fs.replace",  # rename the temporary file onto its final name
+        "fs.fsync",  # durable mode, in the background after the cascade is acknowledged: fsync a block file
+        "fs.dirsync",  # durable mode, after fs.fsync: fsync the block's directory (and the root naming it)
         "fs.read",  # read a block file
         "fs.unlink",  # remove a block file
         "fs.scan",  # rebuild the index from the directory at start-up

@@ -18,6 +18,12 @@ written, ``ready`` once the file is renamed into place, ``reading(n)`` while n p
 - **Lookups never block**: a key the index does not know while the scan is still running is probed
   asynchronously (:mod:`kvfsm.tiers.lookup`); the tier answers RETRY until the answer is in.
 - **Capacity** in bytes and/or files, with LRU eviction of ready entries.
+- **Durable mode** (``durable=True``): a cascade is acknowledged once its file is written and renamed
+  into place; the fsync of the file and of its directory (the index a restart's scan rebuilds) run
+  afterwards on the write threads, and :meth:`FileSystemTier.has_pending_work` is True until they have
+  finished, so the engine keeps stepping until the data is durable. An acknowledged block is served
+  from the page cache meanwhile; after a crash it is either intact (its checksum verifies) or a miss,
+  and a block whose sync failed is evicted (a miss, never doubtful bytes).
 - **Faults**: a :class:`~kvfsm.tiers.faults.FaultPlan` is consulted at every file and slot operation.
 """
 
@@ -108,6 +114,10 @@ class FsTierCounters:
     #: superseded versions of a block: removed by the start-up scan, or given to the I/O threads for
     #: removal as soon as the version that replaces them is committed (kept if it is not on disk)
     old_versions_removed: int = 0
+    #: durable mode: blocks whose background fsync and directory sync finished
+    blocks_made_durable: int = 0
+    #: durable mode: blocks whose background sync failed (evicted: their bytes on disk are in doubt)
+    durability_failed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +143,13 @@ class FsTierStats:
     temp_files_removed: int
     bad_files_removed: int
     old_versions_removed: int
+    blocks_made_durable: int
+    durability_failed: int
     entries: int
     used_bytes: int
     jobs_in_flight: int
     io_pending: int
+    durability_pending: int
 
     def as_dict(self) -> dict[str, int]:
         """The same numbers by field name (logs, JSON, metrics)."""
@@ -194,9 +207,12 @@ class FileSystemTier(SecondaryTier):
       LMCache: none.
     - ``faults`` (:class:`~kvfsm.tiers.faults.FaultPlan`; default None): injected faults, consulted at every
       file and slot operation (tests and chaos runs; swappable through :attr:`faults`). None.
-    - ``durable`` (bool; default False): fsync each block file before its rename and its directory after,
-      so a committed block survives a power loss, not only a crash of the process; costs one or two
-      fsyncs per block. Without it a write is still atomic (rename), and the checksum catches a torn
+    - ``durable`` (bool; default False): make every committed block survive a power loss, not only a
+      crash of the process: after a cascade is acknowledged (its file written and renamed into place),
+      the write threads fsync the file (fault operation ``fs.fsync``) and its directory, with the root
+      the first time (``fs.dirsync``). :meth:`has_pending_work` is True until every acknowledged block
+      is durable; a block whose sync fails is evicted. Costs one or two fsyncs per block, off the
+      acknowledgement path. Without it a write is still atomic (rename), and the checksum catches a torn
       file after a power loss. None (LMCache's ``use_odirect`` in ``extra_config`` bypasses the page cache
       but is not a durability setting).
     - ``scan`` (bool; default True): rebuild the index from ``root`` on a background thread at start-up
@@ -236,6 +252,14 @@ class FileSystemTier(SecondaryTier):
         self.capacity_files = capacity_files
         self._cancel = threading.Event()
         self._io = BlockIO(root, faults=faults, durable=durable, cancel=self._cancel)
+        self.durable = durable
+        #: durable mode: blocks renamed into place whose fsync and directory sync have not finished
+        #: (counted from the rename, on the I/O thread; uncounted when the sync ends or is not owed)
+        self._unsynced = 0
+        self._unsynced_lock = threading.Lock()
+        self._synced: deque[tuple[OffloadKey, int, bool]] = deque()  # (key, version, ok) of finished syncs
+        self._job_tasks = 0  #: file tasks of submitted jobs not yet finished (their result not yet in _done)
+        self._job_tasks_cond = threading.Condition()
         self._machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = slot_machine(checked)
         self._entries: dict[OffloadKey, _Entry] = {}
         self._ready: OrderedDict[OffloadKey, None] = OrderedDict()  # ready entries, least recent first
@@ -326,11 +350,25 @@ class FileSystemTier(SecondaryTier):
             used_bytes=self._used_bytes,
             jobs_in_flight=len(self._jobs),
             io_pending=self._pool.pending,
+            durability_pending=self.durability_pending,
         )
+
+    @property
+    def durability_pending(self) -> int:
+        """Durable mode: blocks written whose background fsync and directory sync have not finished."""
+        with self._unsynced_lock:
+            return self._unsynced
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the I/O pool is idle (tests; a real engine polls instead)."""
         return self._pool.wait_idle(timeout)
+
+    def wait_jobs(self, timeout: float | None = None) -> bool:
+        """Block until the file I/O of every submitted cascade and promotion has finished (the results
+        are applied at the next poll); unlike :meth:`wait_idle`, background syncs and removals are not
+        waited for (tests; a real engine polls instead)."""
+        with self._job_tasks_cond:
+            return self._job_tasks_cond.wait_for(lambda: self._job_tasks == 0, timeout)
 
     def wait_lookups(self, timeout: float | None = None) -> bool:
         """Block until every posted lookup probe has been answered (applied at the next step)."""
@@ -398,6 +436,7 @@ class FileSystemTier(SecondaryTier):
             self._finished.append(JobResult(job.job_id, ok))
             return
         self._jobs[job.job_id] = _JobState(job, len(tasks), ok)
+        self._count_job_tasks(len(tasks))
         for key, slot_id, version in tasks:
             fut = self._pool.submit_write(self._write_block, key, slot_id, version)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, True, version))
@@ -421,6 +460,7 @@ class FileSystemTier(SecondaryTier):
             self._finished.append(JobResult(job.job_id, ok))
             return
         self._jobs[job.job_id] = _JobState(job, len(tasks), ok)
+        self._count_job_tasks(len(tasks))
         for key, slot_id, info, version in tasks:
             fut = self._pool.submit_read(self._load_block, key, slot_id, info)
             fut.add_done_callback(partial(self._task_done, job.job_id, key, False, version))
@@ -434,11 +474,14 @@ class FileSystemTier(SecondaryTier):
 
     @override
     def has_pending_work(self) -> bool:
-        """Always False. Its cascades and promotions are counted by the tiering manager as jobs, and a
-        lookup probe's answer matters only to a request that is waiting for it, which keeps the engine
-        running anyway. Counting probes would let a hung disk keep an idle engine stepping forever
-        (the upper bound of LMCache #4998)."""
-        return False
+        """Durable mode: True while a written block is not yet durable (its fsync or directory sync is
+        queued or running), from the moment its file is renamed into place; the engine keeps stepping
+        until the data is durable (a hung sync keeps it stepping: durability was asked for). Otherwise,
+        and after :meth:`shutdown`, False: cascades and promotions are counted by the tiering manager as
+        jobs, and a lookup probe's answer matters only to a request that is waiting for it, which keeps
+        the engine running anyway. Counting probes would let a hung disk keep an idle engine stepping
+        forever (the upper bound of LMCache #4998)."""
+        return not self._closed and self.durability_pending > 0
 
     def probes_pending(self) -> bool:
         """Lookup probes queued or in flight (their answers are applied by the next step)."""
@@ -538,7 +581,35 @@ class FileSystemTier(SecondaryTier):
         if self.faults is not None:
             self.faults.apply("slot.read", key, cancel=self._cancel)
         payload = io.read_slot(slot_id)
-        return self._io.write(key, payload, version)
+        if not self.durable:
+            return self._io.write(key, payload, version)
+        info = self._io.write(key, payload, version, sync=False)
+        with self._unsynced_lock:
+            self._unsynced += 1  # owed from the rename on: paid by _sync_done, or forgiven by _forgive
+        return info
+
+    def _forgive(self) -> None:
+        """A written block's sync is not owed after all (its write was not committed, or the tier closed)."""
+        with self._unsynced_lock:
+            self._unsynced -= 1
+
+    def _submit_sync(self, key: OffloadKey, info: FileInfo) -> None:
+        """Durable mode, scheduler thread: the committed block's fsync and directory sync, in the background."""
+        if self._closed:
+            self._forgive()
+            return
+        fut = self._pool.submit_write(self._io.make_durable, info, key)
+        fut.add_done_callback(partial(self._sync_done, key, info.version))
+
+    def _sync_done(self, key: OffloadKey, version: int, fut: Future[bool]) -> None:
+        """Done-callback of a sync (I/O thread, or the cancelling one): report it, then stop counting it."""
+        if not fut.cancelled():  # cancelled by a shutdown: the file stays, checked by its checksum
+            exc = fut.exception()
+            if exc is not None:
+                logger.warning("tier %r: the sync of %s failed: %r", self.name, key.hex()[:16], exc)
+            self._synced.append((key, version, exc is None))
+        with self._unsynced_lock:
+            self._unsynced -= 1
 
     def _load_block(self, key: OffloadKey, slot_id: int, info: FileInfo) -> None:
         io = self.slot_io
@@ -552,8 +623,20 @@ class FileSystemTier(SecondaryTier):
     def _unlink(self, path: str) -> bool:
         return self._io.unlink(path, quiet=True)
 
+    def _count_job_tasks(self, n: int) -> None:
+        with self._job_tasks_cond:
+            self._job_tasks += n
+            if self._job_tasks == 0:
+                self._job_tasks_cond.notify_all()
+
     def _task_done(self, job_id: int, key: OffloadKey, is_store: bool, version: int, fut: Future[object]) -> None:
-        """Done-callback of every task (on the I/O thread, or the cancelling one): report the outcome."""
+        """Done-callback of every job's task (on the I/O thread, or the cancelling one): report it."""
+        try:
+            self._report_task(job_id, key, is_store, version, fut)
+        finally:
+            self._count_job_tasks(-1)
+
+    def _report_task(self, job_id: int, key: OffloadKey, is_store: bool, version: int, fut: Future[object]) -> None:
         if fut.cancelled():
             self._done.append(_Done(job_id, key, is_store, version, False, cancelled=True))
             return
@@ -683,7 +766,25 @@ class FileSystemTier(SecondaryTier):
         self._scan_state = ScanState.DONE
         self._lookup.forget_all()
 
+    def _apply_synced(self) -> None:
+        """Durable mode: a block whose sync failed is evicted (or, while read, when its readers are done)."""
+        synced = self._synced
+        while synced:
+            key, version, ok = synced.popleft()
+            if ok:
+                self._stats.blocks_made_durable += 1
+                continue
+            self._stats.durability_failed += 1
+            e = self._entries.get(key)
+            if e is None or e.version != version or e.state is SlotState.WRITING:
+                continue  # evicted or replaced meanwhile: nothing doubtful is served
+            if e.state is SlotState.READY:
+                self._evict(e, unlink=True)
+            else:
+                e.doomed = True
+
     def _apply_done(self) -> None:
+        self._apply_synced()
         done = self._done
         while done:
             r = done.popleft()
@@ -703,10 +804,15 @@ class FileSystemTier(SecondaryTier):
 
     def _apply_store(self, e: _Entry | None, r: _Done) -> None:
         if e is None or e.version != r.version or e.state is not SlotState.WRITING:
-            if r.ok and r.info is not None and not self._closed:
-                self._pool.submit_write(self._unlink, r.info.path)  # written for nothing
+            if r.ok and r.info is not None:
+                if self.durable:
+                    self._forgive()
+                if not self._closed:
+                    self._pool.submit_write(self._unlink, r.info.path)  # written for nothing
             return
         if r.ok and r.info is not None:
+            if self.durable:
+                self._submit_sync(e.key, r.info)
             match e.commit_write():
                 case SlotEffect.EMIT_STORED:
                     self._events.append(OffloadingEvent((e.key,), self.name, removed=False))
