@@ -11,6 +11,20 @@ Three kinds of kill point, so that every stage of a write is hit for certain, no
 - ``random``: the child writes blocks in a loop and is killed right after it reported the n-th one, while
   it is somewhere in the next write.
 
+And three in durable mode, where a block is acknowledged once written and renamed, and its fsync and
+directory sync run afterwards in the background:
+
+- ``durable-fsync`` / ``durable-dirsync``: killed while the background fsync (or directory sync) of the
+  last acknowledged block is held (a HANG fault on ``fs.fsync`` / ``fs.dirsync``);
+- ``durable-random``: killed right after the n-th acknowledgement, with that block's sync queued or
+  running;
+- ``durable-lost``: as ``durable-fsync``, and then the unsynced block's bytes are zeroed on disk before
+  the restart, a stand-in for what a power loss may leave of data that was never fsynced: the restart
+  must answer a miss for it (its checksum fails), never serve it.
+
+After a restart every acknowledged block is byte-exact or (``durable-lost`` only, the unsynced one) a
+miss; never wrong.
+
 With ``-s`` every kill prints its figures (the kill point, the temporary files it left, the committed
 blocks checked byte for byte after the restart, the in-progress block's fate), and the module ends with
 the totals.
@@ -30,10 +44,11 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from tier_support import GUARD_S, SLOT_BYTES, fs_rig, temp_files
+from tier_support import GUARD_S, SLOT_BYTES, block_files, fs_rig, temp_files
 
 import kvfsm
 from kvfsm.control.types import OffloadKey
+from kvfsm.tiers.blockfile import key_name
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 
@@ -74,8 +89,13 @@ def say(msg):
 
 
 plan = None
+durable = mode.startswith("durable")
 if mode == "before-replace":
     plan = FaultPlan([FaultRule("fs.replace", FaultKind.HANG, after=stop_at)])
+if mode in ("durable-fsync", "durable-lost"):
+    plan = FaultPlan([FaultRule("fs.fsync", FaultKind.HANG, after=stop_at)])
+if mode == "durable-dirsync":
+    plan = FaultPlan([FaultRule("fs.dirsync", FaultKind.HANG, after=stop_at)])
 if mode == "mid-write":
     real_write = os.write
     writes = [0]
@@ -96,7 +116,7 @@ if mode == "mid-write":
     blockfile.os = PatchedOs()
 
 io = DictSlotIO(nbytes)
-tier = FileSystemTier(root, slot_io=io, faults=plan, read_threads=1, write_threads=1, scan=False)
+tier = FileSystemTier(root, slot_io=io, faults=plan, read_threads=1, write_threads=1, scan=False, durable=durable)
 i = 0
 while True:
     io.data[i] = block_data(i, nbytes)
@@ -105,10 +125,16 @@ while True:
         plan.wait_for_hangs(1, 60)
         say("at before-replace")
         threading.Event().wait()
-    tier.wait_idle()
-    (result,) = tier.get_finished_jobs()
+    # Durable: waits for this block's write, and (one write thread, in order) the earlier blocks' syncs.
+    tier.wait_jobs()
+    (result,) = tier.get_finished_jobs()  # acknowledged; in durable mode its sync is queued now
     assert result.success, result
     say(f"done {i}")
+    if plan is not None and durable and i == stop_at:
+        plan.wait_for_hangs(1, 60)  # the sync of block i holds; every earlier block is durable
+        assert tier.has_pending_work()
+        say("at sync")
+        threading.Event().wait()
     i += 1
 """
 )
@@ -122,6 +148,10 @@ CASES = (
     [("mid-write", n) for n in range(7)]
     + [("before-replace", n) for n in range(6)]
     + [("random", n) for n in range(1, 8)]
+    + [("durable-fsync", n) for n in range(4)]
+    + [("durable-dirsync", n) for n in range(3)]
+    + [("durable-random", n) for n in range(1, 5)]
+    + [("durable-lost", n) for n in range(3)]
 )
 
 
@@ -155,7 +185,7 @@ def _kill_child(root: Path, mode: str, stop_at: int) -> list[int]:
                 raise AssertionError(f"the child exited before its kill point: {stderr}")
             if line.startswith("done "):
                 done.append(int(line.split()[1]))
-                if mode == "random" and len(done) == stop_at:
+                if mode in ("random", "durable-random") and len(done) == stop_at:
                     break  # it is already writing the next block
             elif line.startswith("at "):
                 break
@@ -175,13 +205,13 @@ class KillFigures:
     stop_at: int
     temp_files_at_kill: int
     blocks_checked: int
-    in_progress: str  # "absent" or "whole" (never partial)
+    in_progress: str  # "absent" or "whole" (never partial); durable: the unsynced block's fate
 
     def line(self) -> str:
         return (
             f"crash {self.mode}-{self.stop_at}: SIGKILL with {self.temp_files_at_kill} temporary file(s) on disk; "
             f"after restart {self.blocks_checked} committed block(s) checked byte for byte, all served; "
-            f"the block being written: {self.in_progress}"
+            f"the block in progress at the kill: {self.in_progress}"
         )
 
 
@@ -197,6 +227,8 @@ def crash_totals() -> Iterator[None]:
         print(
             f"\ncrash totals: {len(_FIGURES)} kill points ({', '.join(kinds)}), "
             f"{sum(f.blocks_checked for f in _FIGURES)} committed blocks checked, 0 lost, 0 partial, "
+            f"{sum(f.in_progress.startswith('lost') for f in _FIGURES)} unsynced block(s) damaged on purpose, "
+            "all misses, "
             f"{sum(f.temp_files_at_kill for f in _FIGURES)} temporary files left by the kills and removed on restart"
         )
 
@@ -208,6 +240,9 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
     done = _kill_child(tmp_path, mode, stop_at)
     temps_at_kill = len(temp_files(tmp_path))
     assert done == list(range(len(done)))
+    if mode.startswith("durable"):
+        _check_durable_restart(tmp_path, mode, stop_at, done, temps_at_kill)
+        return
     if mode != "random":
         assert len(done) == stop_at
         assert temp_files(tmp_path), "the kill was meant to land with a temporary file on disk"
@@ -226,6 +261,46 @@ def test_sigkill_mid_write_leaves_no_partial_block_and_loses_no_committed_one(
             assert in_progress is None
         assert stats.scan_entries >= len(done)
         figures = KillFigures(mode, stop_at, temps_at_kill, len(done), "absent" if in_progress is None else "whole")
+        _FIGURES.append(figures)
+        print(f"\n{figures.line()}")
+    finally:
+        rig.shutdown()
+
+
+def _check_durable_restart(root: Path, mode: str, stop_at: int, done: list[int], temps_at_kill: int) -> None:
+    """Durable mode: every acknowledged block was renamed into place before its acknowledgement; after
+    the kill (during its background sync) a restart serves it byte for byte, or, when its unsynced bytes
+    were lost, answers a miss and removes the damaged file. Never wrong bytes."""
+    assert temps_at_kill == 0, "an acknowledged block is renamed into place before it is acknowledged"
+    unsynced = None
+    if mode != "durable-random":
+        assert len(done) == stop_at + 1
+        unsynced = stop_at  # its sync was held at the kill; every earlier block's sync had finished
+    if mode == "durable-lost":
+        (path,) = (p for p in block_files(root) if p.name.startswith(key_name(block_key(stop_at))))
+        size = path.stat().st_size
+        with open(path, "r+b") as f:  # what a power loss may leave of never-synced data: not its bytes
+            f.seek(size - SLOT_BYTES)
+            f.write(bytes(SLOT_BYTES))
+    rig = fs_rig(root, num_slots=4, durable=True)
+    try:
+        assert temp_files(root) == []
+        served = 0
+        fate = "whole"
+        for i in done:
+            got = rig.read_through(block_key(i))
+            if mode == "durable-lost" and i == unsynced:
+                assert got is None, f"block {i}'s lost bytes were served"
+                assert rig.tier.stats().corrupt_detected == 1
+                assert not any(p.name.startswith(key_name(block_key(i))) for p in block_files(root))
+                fate = "lost, a miss"
+                continue
+            assert got == block_data(i, SLOT_BYTES), f"acknowledged block {i} lost or wrong"
+            served += 1
+        assert rig.read_through(block_key(len(done))) is None  # never submitted
+        rig.settle()
+        assert not rig.tm.has_pending_work()
+        figures = KillFigures(mode, stop_at, temps_at_kill, served, fate)
         _FIGURES.append(figures)
         print(f"\n{figures.line()}")
     finally:
