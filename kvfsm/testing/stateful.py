@@ -33,6 +33,16 @@ Tiers complete their jobs on their own (threads) or when told: for the latter, o
 :meth:`~SecondaryTierStateMachine.pending_jobs` and :meth:`~SecondaryTierStateMachine.complete` and the
 machine also decides when each job finishes, and whether it fails. Rules draw keys from a fixed universe,
 never from state a tier changes in the background, so an asynchronous tier cannot make the draws flaky.
+
+A tier that does real I/O on its own threads can be run with that I/O held in flight, deterministically:
+set :attr:`~SecondaryTierStateMachine.holds_io` and override :meth:`~SecondaryTierStateMachine.hold_io`
+(hold every I/O operation from now on, e.g. with a HANG fault), :meth:`~SecondaryTierStateMachine.let_io_run`
+(stop holding it) and :meth:`~SecondaryTierStateMachine.wait_io` (block until the tier's I/O is idle). Its
+I/O then runs only in the ``io_runs`` rule and inside ``drain_jobs`` (which must still finish every job
+itself); every other rule, and every check, sees it queued or running on the real threads. Override
+:meth:`~SecondaryTierStateMachine.io_pending` to give the machine the tier's own ground truth (work queued or
+running on its threads that must finish before the engine may idle): whenever it says so,
+``TieringManager.has_pending_work()`` must be True.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 from hypothesis import note
@@ -130,8 +140,17 @@ class KitSlotIO:
 class RecordingTier(SecondaryTier):
     """Wraps the tier under test: records submissions and reports, and opens the slot windows."""
 
-    def __init__(self, inner: SecondaryTier, io: KitSlotIO) -> None:
+    def __init__(
+        self,
+        inner: SecondaryTier,
+        io: KitSlotIO,
+        *,
+        before_drain: Callable[[], None] | None = None,
+        after_drain: Callable[[], None] | None = None,
+    ) -> None:
         self.inner = inner
+        self._before_drain = before_drain
+        self._after_drain = after_drain
         self.name = inner.name
         self.io = io
         self.in_flight: dict[int, TierJob] = {}
@@ -209,7 +228,14 @@ class RecordingTier(SecondaryTier):
 
     @override
     def drain_jobs(self) -> None:
-        self.inner.drain_jobs()
+        """The tier's drain, with its held I/O let run meanwhile (a drain would wait on a hold forever)."""
+        if self._before_drain is not None:
+            self._before_drain()
+        try:
+            self.inner.drain_jobs()
+        finally:
+            if self._after_drain is not None:
+                self._after_drain()
 
     @override
     def on_schedule_end(self) -> None:
@@ -236,6 +262,9 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     slot_nbytes: ClassVar[int] = 48
     #: The key universe: small, so keys are stored, evicted, promoted and re-stored.
     num_keys: ClassVar[int] = 6
+    #: Whether the machine holds the tier's real I/O in flight (see :meth:`hold_io`): it then runs only in
+    #: the ``io_runs`` rule and during drains.
+    holds_io: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -247,6 +276,8 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         self._tier: RecordingTier | None = None
         self._manager: TieringManager | None = None
         self._promoted_failed_seen = 0
+        #: checks made while :meth:`io_pending` said the tier had work of its own in flight
+        self.checks_with_io_pending = 0
 
     # -- to override --
 
@@ -261,6 +292,22 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     def complete(self, tier: SecondaryTier, job_id: int, success: bool) -> None:
         """Finish one of :meth:`pending_jobs` (only called when that returns a sequence)."""
         raise NotImplementedError
+
+    def hold_io(self, tier: SecondaryTier) -> None:
+        """With :attr:`holds_io`: from now on, hold every real I/O operation of the tier (on its own
+        threads) until :meth:`let_io_run`. Called once the tier is built and after every release."""
+
+    def let_io_run(self, tier: SecondaryTier) -> None:
+        """With :attr:`holds_io`: let the held I/O, and all I/O from now on, run (until :meth:`hold_io`)."""
+
+    def wait_io(self, tier: SecondaryTier) -> None:
+        """With :attr:`holds_io`: block until the tier's I/O is idle (called while it is let run)."""
+
+    def io_pending(self, tier: SecondaryTier) -> bool | None:
+        """The tier's own ground truth: whether work that must finish before the engine may idle is queued
+        or running on its threads (None: not known). Asked only at moments the machine controls; with
+        free-running threads it must be stable between two reads, or None."""
+        return None
 
     # -- plumbing --
 
@@ -288,7 +335,14 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
 
     @initialize()
     def build(self) -> None:
-        self._tier = RecordingTier(self.make_tier(self.io), self.io)
+        inner = self.make_tier(self.io)
+        if self.holds_io:
+            self._tier = RecordingTier(
+                inner, self.io, before_drain=lambda: self.let_io_run(inner), after_drain=lambda: self.hold_io(inner)
+            )
+            self.hold_io(inner)
+        else:
+            self._tier = RecordingTier(inner, self.io)
         primary = CPUOffloadingManager(self.num_primary_slots)
         self._manager = TieringManager(primary, [self._tier], deadlines=Deadlines.none())  # no clock here
 
@@ -352,6 +406,15 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
             f"{self.manager.num_transfer_jobs} transfers still in flight after drain_jobs and a poll"
         )
 
+    @precondition(lambda self: self.holds_io)
+    @rule()
+    def io_runs(self) -> None:
+        """The tier's held I/O runs to the end (its results are applied at the next poll), then is held again."""
+        note("the tier's held I/O runs")
+        self.let_io_run(self.tier.inner)
+        self.wait_io(self.tier.inner)
+        self.hold_io(self.tier.inner)
+
     @precondition(lambda self: bool(self._pending()))
     @rule(data=st.data(), success=st.booleans())
     def complete_one(self, data: st.DataObject, success: bool) -> None:
@@ -375,6 +438,10 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         unreported = len(self.tier.in_flight)
         if unreported and not m.has_pending_work():
             out.append(f"{unreported} tier jobs submitted and unreported, but has_pending_work() is False")
+        if self.io_pending(self.tier.inner):
+            self.checks_with_io_pending += 1
+            if not m.has_pending_work():
+                out.append("the tier has its own work queued or running, but has_pending_work() is False")
         in_flight_keys = {(key, job.is_promotion) for job in list(self.tier.in_flight.values()) for key in job.keys}
         slots: dict[int, OffloadKey] = {}
         for key in self.keys:
@@ -413,6 +480,8 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             if self._manager is not None:
+                if self.holds_io:
+                    self.let_io_run(self.tier.inner)
                 self.tier.drain_jobs()
                 self.manager.on_schedule_end()
                 self.manager.shutdown()
