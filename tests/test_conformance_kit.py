@@ -21,8 +21,11 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from typing_extensions import override
 
 from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
+from kvfsm.control.types import OffloadKey
+from kvfsm.machines.names import SlotState
 from kvfsm.testing import SecondaryTierStateMachine
 from kvfsm.testing.stateful import KitSlotIO
+from kvfsm.tiers.blockfile import decode
 from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.tiers.fs import FileSystemTier
 from kvfsm.tiers.memory import InMemoryTier
@@ -64,6 +67,13 @@ def _finds_defect(machine: type[RuleBasedStateMachine], match: str, max_examples
 class InMemoryTierMachine(SecondaryTierStateMachine):
     """kvfsm's InMemoryTier, with the test deciding when each job finishes and whether it fails."""
 
+    checks_copies = True
+
+    @override
+    def tier_copy(self, tier: SecondaryTier, key: OffloadKey) -> bytes | None:
+        assert isinstance(tier, InMemoryTier)
+        return tier.data(key) if key in tier else None
+
     @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
         return InMemoryTier("mem", capacity=4, slot_io=slot_io)
@@ -101,6 +111,7 @@ class FileSystemTierMachine(SecondaryTierStateMachine):
 
     durable: ClassVar[bool] = False
     holds_io = True
+    checks_copies = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,6 +145,17 @@ class FileSystemTierMachine(SecondaryTierStateMachine):
     def wait_io(self, tier: SecondaryTier) -> None:
         assert isinstance(tier, FileSystemTier)
         assert tier.wait_idle(GUARD_S), "the tier's I/O never went idle"
+
+    @override
+    def tier_copy(self, tier: SecondaryTier, key: OffloadKey) -> bytes | None:
+        """The key's committed file, decoded and verified (read on the test thread, not the tier's)."""
+        assert isinstance(tier, FileSystemTier)
+        if tier.entry_state(key) is SlotState.ABSENT:
+            return None
+        path = tier.file_of(key)
+        if path is None:
+            return b""  # held, but its file is not committed
+        return decode(Path(path).read_bytes(), key)[1]
 
     @override
     def io_pending(self, tier: SecondaryTier) -> bool | None:
@@ -183,6 +205,38 @@ class _UnderReportingFsTierMachine(DurableFileSystemTierMachine):
     @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
         return _UnderReportingFsTier(self.root, slot_io=slot_io, faults=self.plan, durable=True, scan=False)
+
+
+class _EarlyReportingFsTier(FileSystemTier):
+    """Reports every cascade done as soon as it is submitted, before its file is written (the real
+    result, when it comes, is dropped)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._early: set[int] = set()
+        self._due: list[JobResult] = []
+
+    @override
+    def submit_store(self, job: TierJob) -> None:
+        super().submit_store(job)
+        self._early.add(job.job_id)
+        self._due.append(JobResult(job.job_id, True))
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        real = [r for r in super().get_finished_jobs() if r.job_id not in self._early]
+        due, self._due = self._due, []
+        return due + real
+
+
+class _EarlyReportingFsTierMachine(FileSystemTierMachine):
+    @override
+    def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
+        return _EarlyReportingFsTier(self.root, slot_io=slot_io, faults=self.plan, scan=False)
+
+
+def test_the_tier_kit_finds_a_tier_that_reports_a_cascade_before_its_io_ran() -> None:
+    _finds_defect(_EarlyReportingFsTierMachine, "reported done, but the tier's copy")
 
 
 def test_the_tier_kit_finds_a_tier_that_under_reports_its_own_pending_work() -> None:

@@ -43,6 +43,11 @@ itself); every other rule, and every check, sees it queued or running on the rea
 :meth:`~SecondaryTierStateMachine.io_pending` to give the machine the tier's own ground truth (work queued or
 running on its threads that must finish before the engine may idle): whenever it says so,
 ``TieringManager.has_pending_work()`` must be True.
+
+Set :attr:`~SecondaryTierStateMachine.checks_copies` and override :meth:`~SecondaryTierStateMachine.tier_copy`
+to have every successful cascade checked at the moment it is reported: the tier's own copy of each key
+(its file, its buffer) must then hold exactly the key's bytes, unless the tier no longer holds the key. So a
+tier that reports a cascade before its I/O ran is caught at once.
 """
 
 from __future__ import annotations
@@ -147,8 +152,10 @@ class RecordingTier(SecondaryTier):
         *,
         before_drain: Callable[[], None] | None = None,
         after_drain: Callable[[], None] | None = None,
+        on_report: Callable[[TierJob, JobResult], None] | None = None,
     ) -> None:
         self.inner = inner
+        self._on_report = on_report
         self._before_drain = before_drain
         self._after_drain = after_drain
         self.name = inner.name
@@ -218,6 +225,8 @@ class RecordingTier(SecondaryTier):
                     continue
                 self.reported.add(res.job_id)
             self.io.close(job.slot_ids, write=job.is_promotion)
+            if self._on_report is not None:
+                self._on_report(job, res)
             if job.is_promotion and not res.success:
                 self.failed_promotions.extend(job.keys)
         return results
@@ -265,6 +274,8 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     #: Whether the machine holds the tier's real I/O in flight (see :meth:`hold_io`): it then runs only in
     #: the ``io_runs`` rule and during drains.
     holds_io: ClassVar[bool] = False
+    #: Whether :meth:`tier_copy` is implemented: every successful cascade is then checked when reported.
+    checks_copies: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -303,6 +314,22 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     def wait_io(self, tier: SecondaryTier) -> None:
         """With :attr:`holds_io`: block until the tier's I/O is idle (called while it is let run)."""
 
+    def tier_copy(self, tier: SecondaryTier, key: OffloadKey) -> bytes | None:
+        """With :attr:`checks_copies`: the bytes the tier holds for ``key`` now (b"" if it holds the key
+        but no committed bytes yet), or None if it does not hold the key."""
+        raise NotImplementedError("set checks_copies only with tier_copy(tier, key) implemented")
+
+    def _check_report(self, job: TierJob, res: JobResult) -> None:
+        if job.is_promotion or not res.success:
+            return
+        for key in job.keys:
+            copy = self.tier_copy(self.tier.inner, key)
+            if copy is not None and copy != key_content(key, self.slot_nbytes):
+                what = "no committed bytes" if not copy else f"{len(copy)} other bytes"
+                self.tier.violations.append(
+                    f"cascade job {job.job_id} reported done, but the tier's copy of key {key.hex()[:12]} holds {what}"
+                )
+
     def io_pending(self, tier: SecondaryTier) -> bool | None:
         """The tier's own ground truth: whether work that must finish before the engine may idle is queued
         or running on its threads (None: not known). Asked only at moments the machine controls; with
@@ -336,13 +363,18 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
     @initialize()
     def build(self) -> None:
         inner = self.make_tier(self.io)
+        on_report = self._check_report if self.checks_copies else None
         if self.holds_io:
             self._tier = RecordingTier(
-                inner, self.io, before_drain=lambda: self.let_io_run(inner), after_drain=lambda: self.hold_io(inner)
+                inner,
+                self.io,
+                before_drain=lambda: self.let_io_run(inner),
+                after_drain=lambda: self.hold_io(inner),
+                on_report=on_report,
             )
             self.hold_io(inner)
         else:
-            self._tier = RecordingTier(inner, self.io)
+            self._tier = RecordingTier(inner, self.io, on_report=on_report)
         primary = CPUOffloadingManager(self.num_primary_slots)
         self._manager = TieringManager(primary, [self._tier], deadlines=Deadlines.none())  # no clock here
 
