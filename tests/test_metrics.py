@@ -61,7 +61,7 @@ def test_gauges_follow_jobs_through_their_states(metrics: KvfsmMetrics, clock: F
     assert metrics.jobs[("store", "submitted")] == 0 and metrics.jobs[("store", "in_flight")] == 1
     a.launch(1)  # a self-loop: no state change
     assert metrics.jobs[("store", "in_flight")] == 1
-    a.ack(1)
+    a.ack(0)
     a.ack(1)
     assert a.state is JobState.COMPLETE
     assert metrics.jobs[("store", "in_flight")] == 0 and metrics.finished[("store", "complete")] == 1
@@ -77,7 +77,8 @@ def test_time_in_state_uses_the_injected_clock(metrics: KvfsmMetrics, clock: Fak
     clock.advance(1.0)
     a.launch(1)
     clock.advance(2.0)
-    a.ack(2)
+    a.ack(0)
+    a.ack(1)
     assert metrics.time_in_state("job", "store", "submitted") == (1, 0.25)
     assert metrics.time_in_state("job", "store", "in_flight") == (1, 3.0)
 
@@ -95,9 +96,9 @@ def test_bytes_and_gbps_per_direction(metrics: KvfsmMetrics, clock: FakeClock) -
     store.launch(0)
     load.launch(0)
     clock.advance(0.002)
-    store.ack(1)
+    store.ack(0)
     clock.advance(0.002)
-    load.ack(1)
+    load.ack(0)
     assert metrics.transfer_bytes == {"gpu_to_cpu": 4 * BYTES_PER_BLOCK, "cpu_to_gpu": 2 * BYTES_PER_BLOCK}
     assert metrics.transfer_blocks == {"gpu_to_cpu": 4, "cpu_to_gpu": 2}
     n, rate = metrics.gbps("gpu_to_cpu")
@@ -106,7 +107,7 @@ def test_bytes_and_gbps_per_direction(metrics: KvfsmMetrics, clock: FakeClock) -
     assert n == 1 and rate == pytest.approx(2e6 / 0.004 / 1e9)
     failed = job(2, blocks=8, world_size=1)
     failed.launch(0)
-    failed.fail(1)  # a failed copy moves no committed bytes
+    failed.fail(0)  # a failed copy moves no committed bytes
     assert metrics.transfer_bytes["gpu_to_cpu"] == 4 * BYTES_PER_BLOCK
 
 
@@ -115,9 +116,9 @@ def test_failures_and_timeouts_by_cause(metrics: KvfsmMetrics) -> None:
     worker.launch(0)
     worker.launch(1)
     worker.fail(1)
-    worker.ack(1)  # the last report after a failure: failed
+    worker.ack(0)  # the last report after a failure: failed
     refused = job(1, world_size=1)
-    refused.fail(1)  # no launch at all
+    refused.fail(0)  # no launch at all
     cancelled = job(2)
     cancelled.cancel()
     stale = job(3)
@@ -158,10 +159,12 @@ def test_stuck_detector_warns_once_per_job_and_state(
     assert metrics.stuck_total[("store", "in_flight")] == 2
     old.launch(1)  # a self-loop does not reset its time in the state
     assert [s.job_id for s in metrics.check_stuck()] == [0, 1]
-    old.ack(2)
+    old.ack(0)
+    old.ack(1)
     young.launch(1)
     assert [s.job_id for s in metrics.check_stuck()] == [1]  # the committed one is gone
-    young.ack(2)
+    young.ack(0)
+    young.ack(1)
     assert metrics.check_stuck() == []
 
 
@@ -211,7 +214,7 @@ def test_metrics_chain_the_previous_tracer(clock: FakeClock) -> None:
         with KvfsmMetrics(clock=clock) as m:
             a = job(0, world_size=1)
             a.launch(0)
-            a.ack(1)
+            a.ack(0)
         assert seen == ["launch", "ack"] and m.transitions == 2
         assert set_tracer(previous) is previous
     finally:
@@ -260,7 +263,7 @@ def test_prometheus_exposition(metrics: KvfsmMetrics, clock: FakeClock) -> None:
     a.launch(0)
     b.launch(0)
     clock.advance(0.5)
-    a.ack(1)
+    a.ack(0)
     clock.advance(20.0)
     metrics.check_stuck()
     text = metrics.exposition().decode()

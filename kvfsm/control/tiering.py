@@ -634,7 +634,7 @@ class TieringManager(OffloadingManager):
                 continue
             rec = self._transfer_jobs.pop(res.job_id)
             job = rec.job
-            effect = job.ack(1) if res.success else job.fail()
+            effect = job.ack(0) if res.success else job.fail(0)
             match effect:
                 case JobEffect.COMMIT:
                     self._commit(rec, now)
