@@ -320,13 +320,15 @@ def test_a_timed_out_cascade_keeps_its_slot_pinned_until_the_tier_reports() -> N
     clock.advance(1.5)
     tm.on_schedule_end()
     assert job.state is JobState.TIMED_OUT
-    assert not tm.has_pending_work()  # a hung tier does not keep the engine stepping
+    # The tier may still read the slot: its copy is pending work (the engine keeps draining and polling)
+    # until it reports (issue 10, item 6; before, a hung tier let the engine go idle over it).
+    assert tm.has_pending_work()
     assert tm.num_quarantined == 1 and tm.quarantined_job_ids() == [jid]
     assert primary.slot_state(key(0)) is SlotState.READING  # the tier may still be reading it
     assert tm.lookup(key(0), R1) is HIT  # the CPU copy stays valid
     tier.complete(jid)  # the late result
     tm.on_schedule_end()
-    assert primary.slot_state(key(0)) is SlotState.READY
+    assert primary.slot_state(key(0)) is SlotState.READY and not tm.has_pending_work()
     s = tm.stats()
     assert (s.cascades_timed_out, s.late_results, s.transfers_quarantined) == (1, 1, 0)
 

@@ -13,6 +13,7 @@ from helpers import FakeRequest, LoopbackWorkers, tokens
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines
 from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, OffloadKey, ReqContext, SlotSpec, make_offload_key
@@ -303,3 +304,38 @@ def test_importing_kvfsm_metrics_does_not_import_prometheus() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_quarantined_copy_that_never_reports_is_warned_once_as_stuck(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 10, item 6: a timed-out copy keeps the engine draining until it reports, so the stuck-copy
+    detector makes a copy that never reports visible (once), and forgets it once it has reported."""
+    manager = CPUOffloadingManager(16)
+    sched = OffloadingScheduler(OffloadConfig(4, 1, 2), manager, deadlines=Deadlines(store_s=1.0), clock=clock)
+    workers = LoopbackWorkers(2)
+    m = KvfsmMetrics(clock=clock, stuck_after=10.0)
+    m.watch_scheduler(sched)
+    with m, caplog.at_level(logging.WARNING, logger="kvfsm.observe.metrics"):
+        req = FakeRequest("r", tokens("r", 17), 4)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, [0, 1, 2, 3, 4], 0)
+        meta = sched.build_connector_meta(SchedulerOutput((ScheduledRequest("r", (0, 1, 2, 3, 4), 17, admitted=True),)))
+        workers.deliver(meta)
+        (jid,) = meta.store_jobs
+        sched.update_connector_output(workers.report(jid, [0]))  # rank 0 in time; rank 1's copy hangs
+        clock.advance(2.0)
+        sched.build_connector_meta(SchedulerOutput())  # the deadline passed: timed out, quarantined
+        assert sched.is_quarantined(jid) and sched.has_pending_push_work()
+        clock.advance(10.0)
+        assert m.check_stuck() == []  # exactly stuck_after since the time-out: not yet
+        clock.advance(0.5)
+        (stuck,) = m.check_stuck()
+        assert (stuck.job_id, stuck.kind, stuck.state, stuck.age) == (jid, "store", "quarantined", 10.5)
+        assert [s.job_id for s in m.check_stuck()] == [jid]  # still stuck, not warned again
+        warnings = [r.getMessage() for r in caplog.records if "stuck copy" in r.getMessage()]
+        assert len(warnings) == 1 and f"store job {jid}" in warnings[0]
+        assert m.stuck_copies_total == {"store": 1} and m.snapshot()["stuck_copies_total"] == {"store": 1}
+        sched.update_connector_output(workers.report(jid, [1]))  # the copy reports at last
+        assert not sched.is_quarantined(jid) and not sched.has_pending_push_work()
+        assert m.check_stuck() == []
