@@ -760,3 +760,16 @@ def test_failed_load_reports_the_blocks_and_is_never_marked_loaded() -> None:
     assert h.workers.jobs[load_b].state is JobState.FAILED
     assert [h.manager.slot_state(k) for k in h.keys(a)[:2]] == [SlotState.READY] * 2  # unpinned
     assert h.sched.chunks_being_loaded() == frozenset()
+
+
+def test_merging_two_reports_from_one_rank_raises_and_changes_nothing() -> None:
+    merged = WorkerOutput(completed={1: {0}}, failed={2: {1}})
+    for other in (WorkerOutput(completed={1: {0}}), WorkerOutput(failed={1: {0}}), WorkerOutput(completed={2: {1}})):
+        with pytest.raises(AckCountError, match="reported twice in one step"):
+            merged.merge(other)
+        assert merged == WorkerOutput(completed={1: {0}}, failed={2: {1}})
+    with pytest.raises(AckCountError, match="rank 1 reported twice in one output"):
+        merged.add(2, 1, ok=True)
+    merged.merge(WorkerOutput(completed={1: {1}, 3: {0}}, finished_recving={"r"}))
+    assert merged == WorkerOutput(completed={1: {0, 1}, 3: {0}}, failed={2: {1}}, finished_recving={"r"})
+    assert merged.job_ids() == [2, 1, 3]  # failures first: the order the scheduler applies them in

@@ -1161,6 +1161,10 @@ class Model:
                 seen.update(job.keys)
             if not 1 <= job.pending <= self.W:
                 out.append(("complete_exactly_once", f"an awaited job has pending={job.pending}"))
+        for job in s.jobs:  # a commit is attributed: every one of the W ranks launched and reported first
+            if job.state is JobState.COMPLETE and any(sh != REPORTED for sh in job.shards):
+                shards = ", ".join(f"rank {r} {SHARD_NAMES[sh]}" for r, sh in enumerate(job.shards))
+                out.append(("complete_exactly_once", f"a {KIND_NAMES[job.kind]} job committed with {shards}"))
         return out
 
     # ------------------------------------------------------------------ symmetry
