@@ -112,7 +112,7 @@ class LoopbackWorkers:
         done.update(chosen)
         out = WorkerOutput()
         if chosen:
-            (out.completed if ok else out.failed)[job_id] = len(chosen)
+            (out.completed if ok else out.failed)[job_id] = set(chosen)
         return out
 
     def report_all(self) -> WorkerOutput:

@@ -82,9 +82,10 @@ def _patch_guards(overrides: Mapping[str, Guard]) -> Iterator[None]:
 def plant_readable_on_first_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A store commits (its slots become readable) on the first worker's ack instead of the last."""
 
-    def first_is_last(job: Any, count: int) -> bool:
-        pending: int = job.pending
-        return 0 < count <= pending
+    def first_is_last(job: Any, rank: int) -> bool:
+        """Any report from a rank that launched and has not reported counts as the last one."""
+        open_ranks: int = job.launched_mask & ~job.reported_mask
+        return 0 <= rank < job.world_size and bool(open_ranks >> rank & 1)
 
     with _patch_guards(
         {

@@ -183,13 +183,13 @@ class Rig:
         out.merge(worker.poll())
         assert worker.poll().is_empty(), "a job was reported twice"
         for job in jobs:
-            ok, bad = out.completed.get(job.job_id, 0), out.failed.get(job.job_id, 0)
-            self.acks[job.job_id] = self.acks.get(job.job_id, 0) + ok
-            self.fails[job.job_id] = self.fails.get(job.job_id, 0) + bad
-            if bad:
-                job.fail(bad)
-            if ok:
-                job.ack(ok)
+            ok, bad = out.completed.get(job.job_id, set()), out.failed.get(job.job_id, set())
+            self.acks[job.job_id] = self.acks.get(job.job_id, 0) + len(ok)
+            self.fails[job.job_id] = self.fails.get(job.job_id, 0) + len(bad)
+            for rank in sorted(bad):
+                job.fail(rank)
+            for rank in sorted(ok):
+                job.ack(rank)
         return out
 
 
@@ -355,10 +355,11 @@ def test_completion_fires_the_job_machine_exactly_once(kind: Kind) -> None:
             rig.storer.wait_all()
             out = rig.storer.poll()
             assert not out.failed
-            for job_id, n in out.completed.items():
-                seen[job_id] = seen.get(job_id, 0) + n
+            for job_id, ranks in out.completed.items():
+                assert ranks == {0}
+                seen[job_id] = seen.get(job_id, 0) + len(ranks)
                 rig.storer.backend  # noqa: B018  (the backend stays usable between polls)
-                next(j for j in jobs if j.job_id == job_id).ack(n)
+                next(j for j in jobs if j.job_id == job_id).ack(0)
         assert seen == {1: 1, 2: 1, 3: 1}
         assert all(j.current() is JobState.COMPLETE for j in jobs)
         # A repeated metadata object is not a second launch, so no second report either.
@@ -388,7 +389,7 @@ def test_emulated_completion_is_polled_never_synchronized() -> None:
         assert worker.poll().is_empty()
     assert api.synchronize_calls == 0 and api.query_calls >= 3
     api.run_all()  # the device gets to it
-    assert worker.poll().completed == {7: 1}
+    assert worker.poll().completed == {7: {0}}
     assert worker.poll().is_empty()
     assert api.synchronize_calls == 0
     assert torch.equal(pool.data[2, :, 0], torch.stack([kv[0][3], kv[1][3]]))
@@ -408,8 +409,8 @@ def test_failed_launch_is_failed_never_complete(kind: Kind, monkeypatch: pytest.
         assert bad_block.current() is JobState.IN_FLIGHT  # the worker never fails a job itself
         out_s = rig.finish(rig.storer, [bad_block])
         out_l = rig.finish(rig.loader, [bad_slot])
-        assert out_s.failed == {1: 1} and not out_s.completed
-        assert out_l.failed == {2: 1} and not out_l.completed and out_l.finished_recving == {"q2"}
+        assert out_s.failed == {1: {0}} and not out_s.completed
+        assert out_l.failed == {2: {0}} and not out_l.completed and out_l.finished_recving == {"q2"}
         assert bad_block.current() is JobState.FAILED and bad_slot.current() is JobState.FAILED
         assert rig.acks == {1: 0, 2: 0}
         assert not rig.pool.data.any() and not any(layer.any() for layer in rig.dst)
@@ -460,7 +461,7 @@ def test_failed_launch_through_the_scheduler(kind: Kind, monkeypatch: pytest.Mon
         assert job.current() is JobState.IN_FLIGHT
         rig.storer.wait_all()
         out = rig.storer.poll()
-        assert out.failed == {job.job_id: 1} and not out.completed
+        assert out.failed == {job.job_id: {0}} and not out.completed
         sched.update_connector_output(out)
         assert job.current() is JobState.FAILED
         assert sched.stats.failed_stores == 1 and sched.stats.committed_stores == 0

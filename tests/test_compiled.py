@@ -137,8 +137,9 @@ def test_spec_machine_table_is_the_compiled_table() -> None:
 @dataclass(slots=True)
 class JobModel:
     state: JobState = JobState.SUBMITTED
-    pending: int = 2
+    world_size: int = 2
     launched_mask: int = 0
+    reported_mask: int = 0
     failed_reports: int = 0
 
 
@@ -153,10 +154,10 @@ def _apply_job(job: JobModel, event: JobEvent, arg: int) -> None:
     if event is JobEvent.LAUNCH:
         job.launched_mask |= 1 << arg
     elif event is JobEvent.ACK:
-        job.pending -= arg
-    elif event is JobEvent.FAIL:
-        job.pending = max(0, job.pending - arg)
-        job.failed_reports += arg
+        job.reported_mask |= 1 << arg
+    elif event is JobEvent.FAIL and job.launched_mask:  # a report (not a refusal before any launch)
+        job.reported_mask |= 1 << arg
+        job.failed_reports += 1
 
 
 def _apply_slot(slot: SlotModel, event: SlotEvent) -> None:
@@ -190,7 +191,7 @@ slot_steps = st.lists(st.sampled_from(list(SlotEvent)), max_size=60)
 def test_checked_job_machine_agrees_with_compiled_path(steps: list[tuple[JobEvent, int]], world: int) -> None:
     checked, fast = job_machine(checked=True), job_machine(checked=False)
     assert checked.checked and not fast.checked
-    a, b = JobModel(pending=world), JobModel(pending=world)
+    a, b = JobModel(world_size=world), JobModel(world_size=world)
     for event, arg in steps:
         ra, rb = _fire(checked, a, event, arg), _fire(fast, b, event, arg)
         assert ra == rb
@@ -234,7 +235,7 @@ def _random_job_run(sm: SpecMachine[JobState, JobEvent, JobEffect], seed: int, n
     trace: list[tuple[str, str]] = []
     for _ in range(n):
         if job.state not in (JobState.SUBMITTED, JobState.IN_FLIGHT):
-            job = JobModel(pending=rng.randint(1, 3))
+            job = JobModel(world_size=rng.randint(1, 3))
         event, arg = rng.choice(list(JobEvent)), rng.randint(0, 3)
         outcome, effect = _fire(sm, job, event, arg)
         if outcome == "ok":
@@ -329,12 +330,12 @@ def test_removed_row_is_caught_in_checked_mode() -> None:
 def test_planted_guards_change_the_compiled_table_and_are_restored() -> None:
     fast = _fresh_job_machine(False)
     real = dict(fast.guards)
-    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    job = JobModel(state=JobState.IN_FLIGHT, launched_mask=0b11)
     with fast.planted(guards={"acks_still_pending": lambda _job, _n: False, "last_ack_clean": lambda _j, _n: True}):
         assert fast.guards["acks_still_pending"] is not real["acks_still_pending"]
         assert fast.fire(job, JobEvent.ACK, 1) is JobEffect.COMMIT  # commits on the first of two acks
     assert dict(fast.guards) == real
-    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    job = JobModel(state=JobState.IN_FLIGHT, launched_mask=0b11)
     assert fast.fire(job, JobEvent.ACK, 1) is None and job.state is JobState.IN_FLIGHT
     with pytest.raises(SpecError, match="guards the spec lacks"), fast.planted(guards={"no_such_guard": _never}):
         pass
@@ -363,7 +364,7 @@ def test_tampered_compile_step_is_caught_in_checked_mode(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(kvfsm.machines.compiled, "compile_table", tampered)
     checked = _fresh_job_machine(True)
-    job = JobModel(state=JobState.IN_FLIGHT, pending=1)
+    job = JobModel(state=JobState.IN_FLIGHT, launched_mask=0b11, reported_mask=0b01)
     with pytest.raises(SpecError):
         checked.fire(job, JobEvent.ACK, 1)
     assert job.state is JobState.IN_FLIGHT
@@ -437,10 +438,10 @@ def test_disabled_events_raise_and_leave_the_state_unchanged(name: str) -> None:
 
 def test_no_guard_held_is_reported_and_changes_nothing() -> None:
     sm = job_machine(checked=True)
-    job = JobModel(state=JobState.IN_FLIGHT, pending=2)
+    job = JobModel(state=JobState.IN_FLIGHT, launched_mask=0b11)
     with pytest.raises(InvalidTransition, match="no guard held"):
-        sm.fire(job, JobEvent.ACK, 3)  # neither 0 < 3 < 2 nor 3 == 2
-    assert job.state is JobState.IN_FLIGHT and job.pending == 2
+        sm.fire(job, JobEvent.ACK, 3)  # rank 3 is outside W=2: it never launched
+    assert job.state is JobState.IN_FLIGHT and job.reported_mask == 0
 
 
 @pytest.mark.parametrize("name", MACHINE_NAMES)

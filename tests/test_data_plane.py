@@ -232,8 +232,9 @@ def round_trip(
     st_job = store_job(1, store_blocks, store_slots, w)
     engine_step(rig.storers, meta(stores=[st_job]))
     out = drain(rig.storers)
-    assert out.completed == {1: w} and not out.failed and not out.finished_recving
-    st_job.ack(w)
+    assert out.completed == {1: set(range(w))} and not out.failed and not out.finished_recving
+    for rank in range(w):
+        st_job.ack(rank)
     assert st_job.current() is JobState.COMPLETE
 
     loaded_dst: list[int] = []
@@ -245,7 +246,7 @@ def round_trip(
         loaded_dst.extend(dst_blocks)
     engine_step(rig.loaders, meta(loads=jobs))
     out = drain(rig.loaders)
-    assert out.completed == {j.job_id: w for j in jobs} and not out.failed
+    assert out.completed == {j.job_id: set(range(w)) for j in jobs} and not out.failed
     assert out.finished_recving == {j.req_id for j in jobs}
 
     for start, length, dst_blocks in loads:
@@ -420,10 +421,11 @@ def test_copy_exception_is_reported_failed_never_completed(monkeypatch: pytest.M
         job = store_job(1, [0, bad], [0], 2)
         engine_step(rig.storers, meta(stores=[job]))
         out = drain(rig.storers)
-        assert out.failed == {1: 2}
+        assert out.failed == {1: {0, 1}}
         assert out.completed == {}
         assert job.current() is JobState.IN_FLIGHT  # the worker never fails the job itself
-        job.fail(2)
+        job.fail(0)
+        job.fail(1)
         assert job.current() is JobState.FAILED
         assert all(backend_of(w).stats().jobs_failed == 1 for w in rig.storers)
         assert all(backend_of(w).bytes_stored == 0 for w in rig.storers)
@@ -439,7 +441,7 @@ def test_failed_load_leaves_destination_untouched(monkeypatch: pytest.MonkeyPatc
         job = load_job(3, [1, 2], [0, 99], 1, 1)
         engine_step(rig.loaders, meta(loads=[job]))
         out = drain(rig.loaders)
-        assert out.failed == {3: 1} and out.completed == {}
+        assert out.failed == {3: {0}} and out.completed == {}
         assert out.finished_recving == {"r"}  # this rank is done with the request's load either way
         assert_zero_except(rig.dst, [])
     finally:
@@ -461,9 +463,9 @@ def test_one_rank_failing_is_one_failure_report(monkeypatch: pytest.MonkeyPatch)
         job = store_job(1, [3, 4], [2], 2)
         engine_step(rig.storers, meta(stores=[job]))
         out = drain(rig.storers)
-        assert out.completed == {1: 1}
-        assert out.failed == {1: 1}
-        job.ack(1)
+        assert out.completed == {1: {0}}
+        assert out.failed == {1: {1}}
+        job.ack(0)
         job.fail(1)
         assert job.current() is JobState.FAILED
     finally:
@@ -480,7 +482,7 @@ def test_submit_failure_after_launch_is_reported_failed() -> None:
         engine_step(rig.storers, meta(stores=[job]))
         assert job.current() is JobState.IN_FLIGHT
         out = drain(rig.storers)
-        assert out.failed == {1: 1} and out.completed == {}
+        assert out.failed == {1: {0}} and out.completed == {}
         assert rig.storers[0].num_in_flight == 0
     finally:
         rig.close()
@@ -490,7 +492,7 @@ def test_poll_reports_each_job_once() -> None:
     rig = make_rig(world_size=1)
     try:
         engine_step(rig.storers, meta(stores=[store_job(1, [0, 1], [0], 1)]))
-        assert drain(rig.storers).completed == {1: 1}
+        assert drain(rig.storers).completed == {1: {0}}
         assert drain(rig.storers).is_empty()
     finally:
         rig.close()
@@ -529,7 +531,7 @@ def test_job_made_stale_in_flight_still_reports_its_outcome() -> None:
         job = store_job(1, [0], [0], 1)
         engine_step(rig.storers, meta(stores=[job]))
         job.discard()
-        assert drain(rig.storers).completed == {1: 1}  # the scheduler drops acks of stale jobs
+        assert drain(rig.storers).completed == {1: {0}}  # the scheduler drops acks of stale jobs
     finally:
         rig.close()
 
@@ -554,7 +556,7 @@ def test_stores_wait_for_after_forward_loads_go_before() -> None:
         assert not worker.unlaunched_store_ids
         worker.wait_all()
         out = worker.poll()
-        assert out.completed == {1: 1, 2: 1}
+        assert out.completed == {1: {0}, 2: {0}}
     finally:
         rig.close()
 
@@ -579,7 +581,7 @@ def test_flush_launches_and_waits_before_loads() -> None:
         worker.after_forward(m)
         assert rec.submitted() == [1, 3, 2]
         worker.wait_all()
-        assert worker.poll().completed == {1: 1, 2: 1, 3: 1}
+        assert worker.poll().completed == {1: {0}, 2: {0}, 3: {0}}
     finally:
         rig.close()
 
@@ -601,7 +603,7 @@ def test_flush_waits_for_stores_launched_in_earlier_steps() -> None:
         out = WorkerOutput()
         for w in workers:
             out.merge(w.poll())
-        assert out.completed == {1: 2}
+        assert out.completed == {1: {0, 1}}
     finally:
         rig.close()
 
@@ -616,7 +618,7 @@ def test_flush_of_store_left_unlaunched_by_an_earlier_step() -> None:
         worker.before_forward(meta(flush=[1]))
         assert rec.calls == [("submit", (1,)), ("wait", (1,))]
         assert torch.equal(rig.src[0][2], layer_rows(rig.pools[0])[0][2])
-        assert worker.poll().completed == {1: 1}
+        assert worker.poll().completed == {1: {0}}
     finally:
         rig.close()
 
@@ -633,7 +635,7 @@ def test_launch_fires_the_job_machine_once_per_rank() -> None:
         assert job.launched_mask == 0b11
         with pytest.raises(InvalidTransition):
             job.launch(1)
-        assert drain(rig.storers).completed == {1: 2}
+        assert drain(rig.storers).completed == {1: {0, 1}}
     finally:
         rig.close()
 
@@ -644,7 +646,7 @@ def test_shutdown_waits_for_outstanding_copies() -> None:
         engine_step(rig.storers, meta(stores=[store_job(1, list(range(8)), [0, 1, 2, 3], 1)]))
         rig.storers[0].shutdown()
         assert backend_of(rig.storers[0]).num_inflight == 1  # finished, not yet polled
-        assert rig.storers[0].poll().completed == {1: 1}
+        assert rig.storers[0].poll().completed == {1: {0}}
         for b in range(8):
             assert torch.equal(rig.src[0][b], layer_rows(rig.pools[0])[0][b])
     finally:

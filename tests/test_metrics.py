@@ -13,6 +13,7 @@ from helpers import FakeRequest, LoopbackWorkers, tokens
 
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines
 from kvfsm.control.job import Job
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import GPUBlockSpec, OffloadKey, ReqContext, SlotSpec, make_offload_key
@@ -61,7 +62,7 @@ def test_gauges_follow_jobs_through_their_states(metrics: KvfsmMetrics, clock: F
     assert metrics.jobs[("store", "submitted")] == 0 and metrics.jobs[("store", "in_flight")] == 1
     a.launch(1)  # a self-loop: no state change
     assert metrics.jobs[("store", "in_flight")] == 1
-    a.ack(1)
+    a.ack(0)
     a.ack(1)
     assert a.state is JobState.COMPLETE
     assert metrics.jobs[("store", "in_flight")] == 0 and metrics.finished[("store", "complete")] == 1
@@ -77,7 +78,8 @@ def test_time_in_state_uses_the_injected_clock(metrics: KvfsmMetrics, clock: Fak
     clock.advance(1.0)
     a.launch(1)
     clock.advance(2.0)
-    a.ack(2)
+    a.ack(0)
+    a.ack(1)
     assert metrics.time_in_state("job", "store", "submitted") == (1, 0.25)
     assert metrics.time_in_state("job", "store", "in_flight") == (1, 3.0)
 
@@ -95,9 +97,9 @@ def test_bytes_and_gbps_per_direction(metrics: KvfsmMetrics, clock: FakeClock) -
     store.launch(0)
     load.launch(0)
     clock.advance(0.002)
-    store.ack(1)
+    store.ack(0)
     clock.advance(0.002)
-    load.ack(1)
+    load.ack(0)
     assert metrics.transfer_bytes == {"gpu_to_cpu": 4 * BYTES_PER_BLOCK, "cpu_to_gpu": 2 * BYTES_PER_BLOCK}
     assert metrics.transfer_blocks == {"gpu_to_cpu": 4, "cpu_to_gpu": 2}
     n, rate = metrics.gbps("gpu_to_cpu")
@@ -106,7 +108,7 @@ def test_bytes_and_gbps_per_direction(metrics: KvfsmMetrics, clock: FakeClock) -
     assert n == 1 and rate == pytest.approx(2e6 / 0.004 / 1e9)
     failed = job(2, blocks=8, world_size=1)
     failed.launch(0)
-    failed.fail(1)  # a failed copy moves no committed bytes
+    failed.fail(0)  # a failed copy moves no committed bytes
     assert metrics.transfer_bytes["gpu_to_cpu"] == 4 * BYTES_PER_BLOCK
 
 
@@ -115,9 +117,9 @@ def test_failures_and_timeouts_by_cause(metrics: KvfsmMetrics) -> None:
     worker.launch(0)
     worker.launch(1)
     worker.fail(1)
-    worker.ack(1)  # the last report after a failure: failed
+    worker.ack(0)  # the last report after a failure: failed
     refused = job(1, world_size=1)
-    refused.fail(1)  # no launch at all
+    refused.fail(0)  # no launch at all
     cancelled = job(2)
     cancelled.cancel()
     stale = job(3)
@@ -158,10 +160,12 @@ def test_stuck_detector_warns_once_per_job_and_state(
     assert metrics.stuck_total[("store", "in_flight")] == 2
     old.launch(1)  # a self-loop does not reset its time in the state
     assert [s.job_id for s in metrics.check_stuck()] == [0, 1]
-    old.ack(2)
+    old.ack(0)
+    old.ack(1)
     young.launch(1)
     assert [s.job_id for s in metrics.check_stuck()] == [1]  # the committed one is gone
-    young.ack(2)
+    young.ack(0)
+    young.ack(1)
     assert metrics.check_stuck() == []
 
 
@@ -211,7 +215,7 @@ def test_metrics_chain_the_previous_tracer(clock: FakeClock) -> None:
         with KvfsmMetrics(clock=clock) as m:
             a = job(0, world_size=1)
             a.launch(0)
-            a.ack(1)
+            a.ack(0)
         assert seen == ["launch", "ack"] and m.transitions == 2
         assert set_tracer(previous) is previous
     finally:
@@ -260,7 +264,7 @@ def test_prometheus_exposition(metrics: KvfsmMetrics, clock: FakeClock) -> None:
     a.launch(0)
     b.launch(0)
     clock.advance(0.5)
-    a.ack(1)
+    a.ack(0)
     clock.advance(20.0)
     metrics.check_stuck()
     text = metrics.exposition().decode()
@@ -300,3 +304,38 @@ def test_importing_kvfsm_metrics_does_not_import_prometheus() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_quarantined_copy_that_never_reports_is_warned_once_as_stuck(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 10, item 6: a timed-out copy keeps the engine draining until it reports, so the stuck-copy
+    detector makes a copy that never reports visible (once), and forgets it once it has reported."""
+    manager = CPUOffloadingManager(16)
+    sched = OffloadingScheduler(OffloadConfig(4, 1, 2), manager, deadlines=Deadlines(store_s=1.0), clock=clock)
+    workers = LoopbackWorkers(2)
+    m = KvfsmMetrics(clock=clock, stuck_after=10.0)
+    m.watch_scheduler(sched)
+    with m, caplog.at_level(logging.WARNING, logger="kvfsm.observe.metrics"):
+        req = FakeRequest("r", tokens("r", 17), 4)
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, [0, 1, 2, 3, 4], 0)
+        meta = sched.build_connector_meta(SchedulerOutput((ScheduledRequest("r", (0, 1, 2, 3, 4), 17, admitted=True),)))
+        workers.deliver(meta)
+        (jid,) = meta.store_jobs
+        sched.update_connector_output(workers.report(jid, [0]))  # rank 0 in time; rank 1's copy hangs
+        clock.advance(2.0)
+        sched.build_connector_meta(SchedulerOutput())  # the deadline passed: timed out, quarantined
+        assert sched.is_quarantined(jid) and sched.has_pending_push_work()
+        clock.advance(10.0)
+        assert m.check_stuck() == []  # exactly stuck_after since the time-out: not yet
+        clock.advance(0.5)
+        (stuck,) = m.check_stuck()
+        assert (stuck.job_id, stuck.kind, stuck.state, stuck.age) == (jid, "store", "quarantined", 10.5)
+        assert [s.job_id for s in m.check_stuck()] == [jid]  # still stuck, not warned again
+        warnings = [r.getMessage() for r in caplog.records if "stuck copy" in r.getMessage()]
+        assert len(warnings) == 1 and f"store job {jid}" in warnings[0]
+        assert m.stuck_copies_total == {"store": 1} and m.snapshot()["stuck_copies_total"] == {"store": 1}
+        sched.update_connector_output(workers.report(jid, [1]))  # the copy reports at last
+        assert not sched.is_quarantined(jid) and not sched.has_pending_push_work()
+        assert m.check_stuck() == []

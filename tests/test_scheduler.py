@@ -23,6 +23,7 @@ from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, T
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.types import (
+    GPUBlockSpec,
     LookupResult,
     OffloadingEvent,
     OffloadKey,
@@ -38,7 +39,7 @@ from kvfsm.errors import (
     UnknownJobError,
     UnknownRequestError,
 )
-from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
+from kvfsm.machines.names import JobEffect, JobEvent, JobKind, JobState, RequestState, SlotState
 
 TPB = 4  # tokens per block
 CTX = ReqContext("probe")
@@ -118,7 +119,11 @@ def snapshot(h: Harness, keys: Iterable[OffloadKey], req_ids: Iterable[str]) -> 
     """Everything an operation that raises must leave as it was."""
     s = h.sched
     return {
-        "jobs": {j: (job.state, job.pending, job.launched_mask, job.failed_reports) for j, job in s.jobs().items()},
+        "jobs": {
+            j: (job.state, job.pending, job.launched_mask, job.reported_mask, job.failed_reports)
+            for j, job in s.jobs().items()
+        },
+        "quarantine": s.quarantined_jobs(),
         "requests": {r: (s.request_state(r) if s.is_tracked(r) else None, s.request_jobs(r)) for r in req_ids},
         "slots": {k: (h.manager.slot_state(k), h.manager.ref_cnt(k), h.manager.slot_id(k)) for k in keys},
         "stats": dataclasses.asdict(s.stats),
@@ -405,7 +410,7 @@ def test_reset_cache_makes_in_flight_jobs_stale() -> None:
     new_store = only(meta.store_jobs)  # A's chunks are offloaded again
     assert new_store >= h.sched.stale_threshold
 
-    h.sched.update_connector_output(WorkerOutput(completed={store_a: 2}, failed={load_b: 1}))
+    h.sched.update_connector_output(WorkerOutput(completed={store_a: {0, 1}}, failed={load_b: {0}}))
     assert h.sched.stats.stale_reports_ignored == 2
     assert h.sched.stats.committed_stores == 1 and h.sched.stats.failed_loads == 0  # Z's store only
     assert [h.lookup(k) for k in h.keys(a)] == [LookupResult.HIT_PENDING] * 2  # the new job's writes
@@ -532,8 +537,8 @@ def test_unknown_job_ids_at_or_above_the_stale_threshold_raise_and_change_nothin
     before = snapshot(h, keys, ["A", "B"])
     for bad in (job_a, h.sched.job_counter, h.sched.job_counter + 10):
         for output in (
-            WorkerOutput(completed={job_b: 1, bad: 1}),
-            WorkerOutput(failed={bad: 1}, completed={job_b: 1}),
+            WorkerOutput(completed={job_b: {0}, bad: {0}}),
+            WorkerOutput(failed={bad: {0}}, completed={job_b: {0}}),
         ):
             with pytest.raises(UnknownJobError, match=f"job {bad}"):
                 h.sched.update_connector_output(output)
@@ -542,10 +547,10 @@ def test_unknown_job_ids_at_or_above_the_stale_threshold_raise_and_change_nothin
     # Below the threshold (after a reset) the same kind of report is ignored instead.
     h.sched.reset_cache()
     threshold = h.sched.stale_threshold
-    h.sched.update_connector_output(WorkerOutput(completed={threshold - 1: 1}))
+    h.sched.update_connector_output(WorkerOutput(completed={threshold - 1: {0}}))
     assert h.sched.stats.stale_reports_ignored == 1
     with pytest.raises(UnknownJobError):
-        h.sched.update_connector_output(WorkerOutput(completed={threshold: 1}))
+        h.sched.update_connector_output(WorkerOutput(completed={threshold: {0}}))
 
 
 @pytest.mark.parametrize("after_reset", [False, True])
@@ -556,7 +561,7 @@ def test_a_negative_job_id_is_unknown_not_stale_and_changes_nothing(after_reset:
         h.sched.reset_cache()
     keys = h.keys(a) + h.keys(b)
     before = snapshot(h, keys, ["A", "B"])
-    for output in (WorkerOutput(completed={job_b: 1, -1: 1}), WorkerOutput(failed={-5: 1})):
+    for output in (WorkerOutput(completed={job_b: {0}, -1: {0}}), WorkerOutput(failed={-5: {0}})):
         with pytest.raises(UnknownJobError, match="never issues"):
             h.sched.update_connector_output(output)
         assert snapshot(h, keys, ["A", "B"]) == before
@@ -572,35 +577,92 @@ def test_request_state_of_an_id_never_seen_raises() -> None:
 
 
 @pytest.mark.parametrize(
-    ("completed", "failed"),
+    ("completed", "failed", "match"),
     [
-        pytest.param(3, 0, id="acks-above-pending"),
-        pytest.param(1, 2, id="acks-plus-failures-above-pending"),
-        pytest.param(2, 1, id="failures-plus-acks-above-pending"),
-        pytest.param(0, 3, id="failures-above-pending"),
+        pytest.param({0}, set(), "rank 0 already reported", id="second-ack-from-one-rank"),
+        pytest.param(set(), {0}, "rank 0 already reported", id="failure-after-ack-from-one-rank"),
+        pytest.param({2}, set(), "worker rank 2 outside 0..1", id="rank-outside-world"),
+        pytest.param({1}, {1}, r"ranks \[1\] reported both", id="one-rank-ack-and-failure"),
+        pytest.param(set(), set(), "a report that names no worker rank", id="no-rank"),
     ],
 )
-def test_ack_count_above_pending_raises_and_changes_nothing(completed: int, failed: int) -> None:
+def test_a_report_not_attributable_to_an_unreported_launched_rank_raises_and_changes_nothing(
+    completed: set[int], failed: set[int], match: str
+) -> None:
     h, a, b, job_a, job_b = _two_jobs(world_size=2)
-    h.ack(job_b, [0])  # job_b: one of two reports in
+    h.ack(job_b, [0])  # job_b: rank 0 reported, rank 1 still copying
     keys = h.keys(a) + h.keys(b)
     before = snapshot(h, keys, ["A", "B"])
-    output = WorkerOutput(completed={job_b: 1})
-    if completed:
-        output.completed[job_a] = completed
+    output = WorkerOutput(completed={job_a: {0, 1}})  # valid on its own: it must not be applied either
+    if completed or not failed:
+        output.completed[job_b] = completed
     if failed:
-        output.failed[job_a] = failed
-    with pytest.raises(AckCountError, match=f"job {job_a}"):
+        output.failed[job_b] = failed
+    with pytest.raises(AckCountError, match=f"job {job_b}: {match}"):
         h.sched.update_connector_output(output)
     assert snapshot(h, keys, ["A", "B"]) == before
 
 
-def test_ack_count_of_zero_raises() -> None:
-    h, a, _b, job_a, _job_b = _two_jobs()
+def _one_rank_launched() -> tuple[Harness, FakeRequest, Job]:
+    """W=2 and a store that only rank 0 launched (rank 1 has not run its after_forward yet)."""
+    h = Harness(world_size=2)
+    a = h.request("A", "a", 8)
+    meta = h.sched.build_connector_meta(SchedulerOutput((h.admit(a, [0, 1]),), allocated_block_ids=frozenset({0, 1})))
+    a.num_computed_tokens = a.num_tokens
+    job = meta.store_jobs[only(meta.store_jobs)]
+    assert job.launch(0)
+    return h, a, job
+
+
+def test_w2_acks_from_both_ranks_with_only_rank_0_launched_do_not_commit() -> None:
+    # Regression (issue 10, item 5): acks were counted, not attributed to ranks, so with W=2 and only rank
+    # 0 launched an ack of count 2 committed the store: rank 1's shard was never copied, yet its keys
+    # became READY.
+    h, a, job = _one_rank_launched()
+    keys = h.keys(a)
+    before = snapshot(h, keys, ["A"])
+    for output in (WorkerOutput(completed={job.job_id: {0, 1}}), WorkerOutput(completed={job.job_id: {1}})):
+        with pytest.raises(AckCountError, match=f"job {job.job_id}: rank 1 reported a job it never launched"):
+            h.sched.update_connector_output(output)
+        assert snapshot(h, keys, ["A"]) == before
+    assert [h.lookup(k) for k in keys] == [LookupResult.HIT_PENDING] * 2  # never readable
+    # Rank 0's own report is accepted, and the job still waits for rank 1 to launch and report.
+    h.sched.update_connector_output(WorkerOutput(completed={job.job_id: {0}}))
+    assert job.state is JobState.IN_FLIGHT and job.pending == 1 and job.reported_mask == 0b01
+    with pytest.raises(AckCountError, match="rank 0 already reported"):
+        h.sched.update_connector_output(WorkerOutput(completed={job.job_id: {0}}))
+    assert [h.lookup(k) for k in keys] == [LookupResult.HIT_PENDING] * 2
+    assert job.launch(1)
+    h.sched.update_connector_output(WorkerOutput(completed={job.job_id: {1}}))
+    assert job.current() is JobState.COMPLETE
+    assert [h.lookup(k) for k in keys] == [LookupResult.HIT] * 2
+
+
+def test_a_failure_from_a_rank_that_never_launched_raises_and_changes_nothing() -> None:
+    h, a, job = _one_rank_launched()
     before = snapshot(h, h.keys(a), ["A"])
-    with pytest.raises(AckCountError):
-        h.sched.update_connector_output(WorkerOutput(completed={job_a: 0}))
+    with pytest.raises(AckCountError, match="rank 1 reported a job it never launched"):
+        h.sched.update_connector_output(WorkerOutput(completed={job.job_id: {0}}, failed={job.job_id: {1}}))
     assert snapshot(h, h.keys(a), ["A"]) == before
+
+
+def test_the_job_machine_refuses_a_report_from_a_rank_that_never_launched_or_already_reported() -> None:
+    job = Job(1, JobKind.STORE, "r", (), GPUBlockSpec((0,)), SlotSpec((0,)), 2)
+    job.launch(0)
+    for bad, rank in ((job.ack, 1), (job.fail, 1), (job.ack, 2), (job.ack, -1)):
+        with pytest.raises(AckCountError):
+            bad(rank)
+        assert (job.state, job.reported_mask, job.failed_reports) == (JobState.IN_FLIGHT, 0, 0)
+    assert job.ack(0) is None
+    with pytest.raises(AckCountError, match="rank 0 already reported"):
+        job.fail(0)
+    assert (job.state, job.reported_mask, job.failed_reports, job.pending) == (JobState.IN_FLIGHT, 0b01, 0, 1)
+    # The guards themselves refuse it too (Rule 4 holds even for a caller that skips the checks).
+    assert not job.machine.can_fire(job, JobEvent.ACK, 0)
+    assert not job.machine.can_fire(job, JobEvent.ACK, 1)
+    job.launch(1)
+    assert job.machine.can_fire(job, JobEvent.ACK, 1)
+    assert job.ack(1) is JobEffect.COMMIT and job.current() is JobState.COMPLETE
 
 
 def test_duplicate_request_raises_and_changes_nothing() -> None:
@@ -698,3 +760,16 @@ def test_failed_load_reports_the_blocks_and_is_never_marked_loaded() -> None:
     assert h.workers.jobs[load_b].state is JobState.FAILED
     assert [h.manager.slot_state(k) for k in h.keys(a)[:2]] == [SlotState.READY] * 2  # unpinned
     assert h.sched.chunks_being_loaded() == frozenset()
+
+
+def test_merging_two_reports_from_one_rank_raises_and_changes_nothing() -> None:
+    merged = WorkerOutput(completed={1: {0}}, failed={2: {1}})
+    for other in (WorkerOutput(completed={1: {0}}), WorkerOutput(failed={1: {0}}), WorkerOutput(completed={2: {1}})):
+        with pytest.raises(AckCountError, match="reported twice in one step"):
+            merged.merge(other)
+        assert merged == WorkerOutput(completed={1: {0}}, failed={2: {1}})
+    with pytest.raises(AckCountError, match="rank 1 reported twice in one output"):
+        merged.add(2, 1, ok=True)
+    merged.merge(WorkerOutput(completed={1: {1}, 3: {0}}, finished_recving={"r"}))
+    assert merged == WorkerOutput(completed={1: {0, 1}, 3: {0}}, failed={2: {1}}, finished_recving={"r"})
+    assert merged.job_ids() == [2, 1, 3]  # failures first: the order the scheduler applies them in

@@ -456,7 +456,7 @@ def test_machines_are_not_vacuous() -> None:
         m.store(3, True)
         assert m.plan.wait_for_hangs(1, GUARD_S)
         m.advance_clock(6.0)
-        assert m.rig.tm.num_quarantined == 1 and not m.rig.tm.has_pending_work()
+        assert m.rig.tm.num_quarantined == 1 and m.rig.tm.has_pending_work()  # pending until it reports
         m.release_tier()
         m.settle()
         assert m.rig.tm.num_quarantined == 0

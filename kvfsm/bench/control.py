@@ -350,7 +350,7 @@ def _step_cost_round(
     if not prefill:
         for q in reqs:
             q.num_computed_tokens = q.num_prompt_tokens
-        sched.update_connector_output(WorkerOutput(completed={jid: world_size for jid in sched.jobs()}))
+        sched.update_connector_output(WorkerOutput(completed={jid: set(range(world_size)) for jid in sched.jobs()}))
     step_tokens = tpb if prefill else 1
     pending = WorkerOutput()
     build_times: list[float] = []
@@ -371,7 +371,7 @@ def _step_cost_round(
                 q.num_tokens += 1
         # The workers' side, not measured: launch every job on every rank, ack it in the next output.
         _launch_all(meta.store_jobs.values(), world_size)
-        pending = WorkerOutput(completed={jid: world_size for jid in meta.store_jobs})
+        pending = WorkerOutput(completed={jid: set(range(world_size)) for jid in meta.store_jobs})
         if step >= warmup:
             build_times.append(t1 - t0)
             update_times.append(t2 - t1)

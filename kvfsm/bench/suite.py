@@ -107,7 +107,7 @@ def lifecycle_us(checked: bool, jobs: int, world_size: int = 2) -> float:
         for job in meta.store_jobs.values():
             for rank in range(world_size):
                 job.launch(rank)
-            sched.update_connector_output(WorkerOutput(completed={job.job_id: world_size}))
+            sched.update_connector_output(WorkerOutput(completed={job.job_id: set(range(world_size))}))
         r.num_computed_tokens = tpb + 1
         sched.request_finished(r)
         sched.build_connector_meta(empty)
@@ -126,8 +126,8 @@ def job_machine_us(checked: bool, jobs: int, world_size: int = 2) -> float:
         job = Job(i, JobKind.STORE, "r", (), gpu, slots, world_size, machine)
         for rank in range(world_size):
             job.launch(rank)
-        for _ in range(world_size):
-            job.ack(1)
+        for rank in range(world_size):
+            job.ack(rank)
     return (time.perf_counter() - t0) / jobs * 1e6
 
 

@@ -45,6 +45,8 @@ def pending_work_covers_jobs(view: SystemView) -> list[str]:
     out = []
     if live and not s.has_pending_push_work():
         out.append(f"{len(live)} live jobs (first {live[0]!r}) but has_pending_push_work() is False")
+    if s.num_quarantined and not s.has_pending_push_work():
+        out.append(f"{s.num_quarantined} quarantined copies have not reported but has_pending_push_work() is False")
     m = s.manager
     if m.num_transfer_jobs and not s.has_pending_push_work():
         out.append(f"{m.num_transfer_jobs} tier transfers in flight but has_pending_push_work() is False")
@@ -134,6 +136,11 @@ def complete_exactly_once(view: SystemView) -> list[str]:
             out.append(f"job {job_id} is {job.state.value} but still awaited")
         if not 1 <= job.pending <= job.world_size:
             out.append(f"job {job_id} has pending={job.pending}, expected 1..{job.world_size}")
+        if job.reported_mask & ~job.launched_mask:
+            out.append(
+                f"job {job_id} has reports from ranks that never launched it "
+                f"(reported {job.reported_mask:#b}, launched {job.launched_mask:#b})"
+            )
     return out
 
 

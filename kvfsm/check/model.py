@@ -220,11 +220,11 @@ class _Pruned(Exception):
 
 
 class _JobScratch:
-    __slots__ = ("failed_reports", "launched_mask", "pending", "state", "world_size")
+    __slots__ = ("failed_reports", "launched_mask", "reported_mask", "state", "world_size")
 
-    def __init__(self, state: JobState, pending: int, failed: int, mask: int, world_size: int) -> None:
+    def __init__(self, state: JobState, reported: int, failed: int, mask: int, world_size: int) -> None:
         self.state = state
-        self.pending = pending
+        self.reported_mask = reported
         self.failed_reports = failed
         self.launched_mask = mask
         self.world_size = world_size
@@ -282,6 +282,15 @@ def _mask(shards: Sequence[int]) -> int:
     mask = 0
     for rank, shard in enumerate(shards):
         if shard != UNLAUNCHED:
+            mask |= 1 << rank
+    return mask
+
+
+def _reported(shards: Sequence[int]) -> int:
+    """The job's ``reported_mask``: the ranks whose shard has reported."""
+    mask = 0
+    for rank, shard in enumerate(shards):
+        if shard == REPORTED:
             mask |= 1 << rank
     return mask
 
@@ -402,12 +411,13 @@ class Model:
     # ------------------------------------------------------------------ spec machines, memoized
 
     def job_event(
-        self, state: JobState, pending: int, failed: int, mask: int, event: JobEvent, arg: int
+        self, state: JobState, reported: int, failed: int, mask: int, event: JobEvent, arg: int
     ) -> tuple[JobState, JobEffect | None]:
-        key = (state, pending, failed, mask, event, arg)
+        """Fire ``event`` (``arg``: a rank) on a job whose ranks ``mask`` launched and ``reported`` reported."""
+        key = (state, reported, failed, mask, event, arg)
         r = self._memo_job.get(key)
         if r is None:
-            scratch = _JobScratch(state, pending, failed, mask, self.W)
+            scratch = _JobScratch(state, reported, failed, mask, self.W)
             try:
                 effect = self._job.fire(scratch, event, arg)
                 r = (scratch.state, effect)
@@ -870,7 +880,8 @@ class Model:
         if job[_J_STATE] in _TERMINAL_SKIP or job[_J_SHARDS][rank] != UNLAUNCHED:
             return
         mask = _mask(job[_J_SHARDS])
-        state, effect = self.job_event(job[_J_STATE], job[_J_PENDING], job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
+        reported = _reported(job[_J_SHARDS])
+        state, effect = self.job_event(job[_J_STATE], reported, job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
         job[_J_STATE] = state
         job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is JobEffect.START_COPY else REPORTED)
 
@@ -907,16 +918,19 @@ class Model:
                 flush.add(j)
 
     def _report(self, w: _World) -> None:
-        """Every worker polls; the scheduler applies the summed reports (failures first, then acks)."""
-        completed: dict[int, int] = {}
-        failed: dict[int, int] = {}
+        """Every worker polls; the scheduler applies the merged reports, one event per reporting rank
+        (failures first, then acks; ranks in order)."""
+        completed: dict[int, list[int]] = {}
+        failed: dict[int, list[int]] = {}
+        reported: dict[int, int] = {}  # job -> its reported_mask before this poll
         order = sorted(range(len(w.jobs)), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS]))
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
-            ok = shards.count(DONE_OK)
-            bad = shards.count(DONE_FAIL)
+            ok = [r for r, sh in enumerate(shards) if sh == DONE_OK]
+            bad = [r for r, sh in enumerate(shards) if sh == DONE_FAIL]
             if ok or bad:
+                reported[j] = _reported(shards)
                 job[_J_SHARDS] = tuple(REPORTED if sh in (DONE_OK, DONE_FAIL) else sh for sh in shards)
                 if bad:
                     failed[j] = bad
@@ -940,32 +954,25 @@ class Model:
                     f"a worker reported {KIND_NAMES[job[_J_KIND]]} job (keys {keys}) after it was already "
                     f"{job[_J_STATE].value}: the scheduler no longer awaits it",
                 )
-            total = failed.get(j, 0) + completed.get(j, 0)
+            total = len(failed.get(j, ())) + len(completed.get(j, ()))
             if total > job[_J_PENDING]:
                 raise ModelViolation(
                     "complete_exactly_once", f"job (keys {keys}) got {total} reports with {job[_J_PENDING]} pending"
                 )
-        for j, count in failed.items():
-            job = w.jobs[j]
-            if job[_J_IGNORED]:
-                continue
-            state, effect = self.job_event(
-                job[_J_STATE], job[_J_PENDING], job[_J_FAILED], _mask(job[_J_SHARDS]), JobEvent.FAIL, count
-            )
-            job[_J_STATE] = state
-            job[_J_PENDING] = max(0, job[_J_PENDING] - count)
-            job[_J_FAILED] += count
-            self._job_finished(w, j, effect)
-        for j, count in completed.items():
-            job = w.jobs[j]
-            if job[_J_IGNORED] or job[_J_STATE] not in _LIVE:
-                continue  # ignored, or finished above by a failure report in the same output
-            state, effect = self.job_event(
-                job[_J_STATE], job[_J_PENDING], job[_J_FAILED], _mask(job[_J_SHARDS]), JobEvent.ACK, count
-            )
-            job[_J_STATE] = state
-            job[_J_PENDING] -= count
-            self._job_finished(w, j, effect)
+        for reports, event in ((failed, JobEvent.FAIL), (completed, JobEvent.ACK)):
+            for j, ranks in reports.items():
+                job = w.jobs[j]
+                mask = _mask(job[_J_SHARDS])
+                for rank in ranks:
+                    if job[_J_IGNORED] or job[_J_STATE] not in _LIVE:
+                        break  # ignored, or finished above by a failure report in the same output
+                    state, effect = self.job_event(job[_J_STATE], reported[j], job[_J_FAILED], mask, event, rank)
+                    job[_J_STATE] = state
+                    reported[j] |= 1 << rank
+                    job[_J_PENDING] -= 1
+                    if event is JobEvent.FAIL:
+                        job[_J_FAILED] += 1
+                    self._job_finished(w, j, effect)
 
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
@@ -1054,7 +1061,7 @@ class Model:
             if job[_J_STATE] in _LIVE:
                 mask = _mask(job[_J_SHARDS])
                 job[_J_STATE] = self.job_event(
-                    job[_J_STATE], job[_J_PENDING], job[_J_FAILED], mask, JobEvent.DISCARD, 0
+                    job[_J_STATE], _reported(job[_J_SHARDS]), job[_J_FAILED], mask, JobEvent.DISCARD, 0
                 )[0]
                 job[_J_REQ] = -1
                 job[_J_IGNORED] = ignored
@@ -1154,6 +1161,10 @@ class Model:
                 seen.update(job.keys)
             if not 1 <= job.pending <= self.W:
                 out.append(("complete_exactly_once", f"an awaited job has pending={job.pending}"))
+        for job in s.jobs:  # a commit is attributed: every one of the W ranks launched and reported first
+            if job.state is JobState.COMPLETE and any(sh != REPORTED for sh in job.shards):
+                shards = ", ".join(f"rank {r} {SHARD_NAMES[sh]}" for r, sh in enumerate(job.shards))
+                out.append(("complete_exactly_once", f"a {KIND_NAMES[job.kind]} job committed with {shards}"))
         return out
 
     # ------------------------------------------------------------------ symmetry

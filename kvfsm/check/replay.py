@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -703,7 +703,9 @@ def _fingerprint(h: Harness, model: Model) -> tuple[Any, ...]:
         tuple(sorted(s.fenced_blocks().items())),
         s.chunks_being_loaded(),
         tuple(
-            sorted((jid, j.state, j.pending, j.launched_mask, j.failed_reports) for jid, j in h.known_jobs().items())
+            sorted(
+                (jid, j.state, j.launched_mask, j.reported_mask, j.failed_reports) for jid, j in h.known_jobs().items()
+            )
         ),
     )
 
@@ -780,10 +782,12 @@ def _p_preempt(rid: str) -> Callable[[Harness], object]:
     return lambda x: x.sched.build_connector_meta(SchedulerOutput(preempted_req_ids=frozenset({rid})))
 
 
-def _p_report(job_id: int | None, count: int, *, ok: bool) -> Callable[[Harness], object]:
+def _p_report(job_id: int | None, ranks: Iterable[int], *, ok: bool) -> Callable[[Harness], object]:
+    chosen = set(ranks)
+
     def call(x: Harness) -> object:
         jid = x.sched.job_counter if job_id is None else job_id
-        out = WorkerOutput(completed={jid: count}) if ok else WorkerOutput(failed={jid: count})
+        out = WorkerOutput(completed={jid: set(chosen)}) if ok else WorkerOutput(failed={jid: set(chosen)})
         x.sched.update_connector_output(out)
         return None
 
@@ -800,7 +804,7 @@ def _p_job(job_id: int, event: JobEvent, arg: int = 0) -> Callable[[Harness], ob
         elif event is JobEvent.DISCARD:
             job.discard()
         else:
-            job.ack(1)
+            job.ack(0)
         return None
 
     return call
@@ -856,11 +860,20 @@ def disabled_events(h: Harness, state: State, refs: Refs) -> list[Probe]:
         if not rm.can_fire(probe, RequestEvent.PREEMPT) and not batch_open:
             out.append((f"build_connector_meta(preempted={rid}) {where}", _p_preempt(rid)))
     # Job machine: reports the scheduler must refuse, and events the job machine disables.
+    # Reports are attributed to ranks: a rank that never launched the job, or that already reported it,
+    # is refused (AckCountError), as are a report naming no rank and a rank outside 0..W-1.
     for jid, job in sched.jobs().items():
-        n = job.pending + 1
-        out.append((f"ack job {jid} x{n} with {job.pending} pending", _p_report(jid, n, ok=True)))
-        out.append((f"fail job {jid} x0", _p_report(jid, 0, ok=False)))
-    out.append((f"ack never-issued job {sched.job_counter}", _p_report(None, 1, ok=True)))
+        for rank in range(job.world_size):
+            bit = 1 << rank
+            if not job.launched_mask & bit:
+                out.append(
+                    (f"ack job {jid} from rank {rank}, which never launched it", _p_report(jid, [rank], ok=True))
+                )
+            elif job.reported_mask & bit:
+                out.append((f"fail job {jid} from rank {rank} again", _p_report(jid, [rank], ok=False)))
+        out.append((f"ack job {jid} from rank {job.world_size}", _p_report(jid, [job.world_size], ok=True)))
+        out.append((f"fail job {jid} from no rank", _p_report(jid, [], ok=False)))
+    out.append((f"ack never-issued job {sched.job_counter}", _p_report(None, [0], ok=True)))
     jm = job_machine()
     for jid, job in h.known_jobs().items():
         what = f"job {jid} ({job.state.value})"

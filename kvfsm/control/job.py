@@ -19,7 +19,9 @@ class Job:
     """One job from planning to its terminal outcome; only ``launch/ack/fail/cancel/discard/time_out``
     move it.
 
-    ``pending`` starts at the world size W and reaches 0 exactly at the W-th ack, when the job commits.
+    Reports are attributed to ranks: ``launched_mask`` and ``reported_mask`` hold one bit per worker rank,
+    ``reported_mask`` is always a subset of ``launched_mask``, and ``pending`` (W minus the reported ranks)
+    reaches 0 exactly when every one of the W ranks has launched and reported; only then may the job commit.
     """
 
     __slots__ = (
@@ -30,7 +32,7 @@ class Job:
         "kind",
         "launched_mask",
         "machine",
-        "pending",
+        "reported_mask",
         "req_id",
         "slots",
         "state",
@@ -55,8 +57,8 @@ class Job:
         self.gpu = gpu
         self.slots = slots
         self.world_size = world_size
-        self.pending = world_size
         self.launched_mask = 0
+        self.reported_mask = 0
         self.failed_reports = 0
         self.state = JobState.SUBMITTED
         self.machine = machine if machine is not None else job_machine()
@@ -81,30 +83,45 @@ class Job:
         self.launched_mask |= 1 << rank
         return effect is JobEffect.START_COPY
 
-    def _check_count(self, count: int, what: str) -> None:
-        if self.state is JobState.IN_FLIGHT and not 0 < count <= self.pending:
-            raise AckCountError(
-                f"job {self.job_id}: {count} {what} reported but {self.pending} pending; expected 1..{self.pending}"
-            )
+    @property
+    def pending(self) -> int:
+        """Ranks that have not reported yet: W at planning, 0 once every rank has reported."""
+        return self.world_size - self.reported_mask.bit_count()
 
-    def ack(self, count: int = 1) -> JobEffect | None:
-        """Record ``count`` successful worker reports.
+    def check_report(self, rank: int) -> None:
+        """Raise :class:`AckCountError` unless ``rank`` launched this in-flight job and has not reported it."""
+        if self.state is not JobState.IN_FLIGHT:
+            return  # the machine itself decides (a refusal before launch, or InvalidTransition)
+        if not 0 <= rank < self.world_size:
+            raise AckCountError(f"job {self.job_id}: worker rank {rank} outside 0..{self.world_size - 1}")
+        if not (self.launched_mask >> rank) & 1:
+            raise AckCountError(f"job {self.job_id}: rank {rank} reported a job it never launched")
+        if (self.reported_mask >> rank) & 1:
+            raise AckCountError(f"job {self.job_id}: rank {rank} already reported")
 
-        Returns the effect: COMMIT exactly once when the W-th report arrives and all succeeded,
-        RELEASE when the W-th arrives after a failure, None while reports are still pending.
+    def ack(self, rank: int = 0) -> JobEffect | None:
+        """Record worker ``rank``'s successful report.
+
+        Returns the effect: COMMIT exactly once when the last of the W ranks reports and all succeeded,
+        RELEASE when the last reports after a failure, None while other ranks are still pending.
+        Raises :class:`AckCountError` (changing nothing) for a rank that never launched or already reported.
         """
-        self._check_count(count, "acks")
-        effect = self.machine.fire(self, JobEvent.ACK, count)
-        self.pending -= count
+        self.check_report(rank)
+        effect = self.machine.fire(self, JobEvent.ACK, rank)
+        self.reported_mask |= 1 << rank
         return effect
 
-    def fail(self, count: int = 1) -> JobEffect | None:
-        """Record ``count`` failed worker reports; RELEASE once every worker has reported."""
-        if self.state is JobState.IN_FLIGHT:
-            self._check_count(count, "failures")
-        effect = self.machine.fire(self, JobEvent.FAIL, count)
-        self.pending = max(0, self.pending - count)
-        self.failed_reports += count
+    def fail(self, rank: int = 0) -> JobEffect | None:
+        """Record worker ``rank``'s failed report; RELEASE once every rank has reported.
+
+        Before any launch (a tier refused the submission) the job fails at once and ``rank`` is not recorded.
+        """
+        self.check_report(rank)
+        launched = self.state is JobState.IN_FLIGHT
+        effect = self.machine.fire(self, JobEvent.FAIL, rank)
+        if launched:
+            self.reported_mask |= 1 << rank
+            self.failed_reports += 1
         return effect
 
     def cancel(self) -> JobEffect | None:
@@ -123,19 +140,30 @@ class Job:
 class Quarantined:
     """A timed-out job whose launched copies have not all reported: its memory is not handed back yet.
 
-    Shared by the scheduler half (GPU <-> CPU jobs, ``outstanding`` = launched workers yet to report) and
-    the tiering manager (primary <-> tier jobs, one copy: the tier, named by ``tier``). The job already
-    ended ``timed_out`` with the RELEASE effect; the owner carries that effect out once :meth:`report`
-    says every outstanding copy has reported.
+    Shared by the scheduler half (GPU <-> CPU jobs: ``outstanding`` is the mask of ranks that launched
+    and have not reported) and the tiering manager (primary <-> tier jobs, one copy: the tier, named by
+    ``tier``, as rank 0). The job already ended ``timed_out`` with the RELEASE effect; the owner carries
+    that effect out once :meth:`report` says every outstanding copy has reported. While it is held, the
+    copy is pending work (spec/README.md, "Quarantine").
     """
 
     job: Job
     ctx: ReqContext
+    #: Bit ``r`` set: rank ``r`` launched the job and has not reported it yet.
     outstanding: int = 1
     #: The index of the tier running the copy (tiering manager); -1 for GPU workers.
     tier: int = -1
 
-    def report(self, count: int = 1) -> bool:
-        """``count`` outstanding copies reported (late); True once none is left."""
-        self.outstanding -= count
-        return self.outstanding <= 0
+    def check_report(self, rank: int) -> None:
+        """Raise :class:`AckCountError` unless ``rank`` is one of the outstanding copies."""
+        if not (rank >= 0 and (self.outstanding >> rank) & 1):
+            raise AckCountError(
+                f"timed-out job {self.job.job_id}: rank {rank} has no outstanding copy "
+                f"(outstanding ranks {[r for r in range(self.outstanding.bit_length()) if self.outstanding >> r & 1]})"
+            )
+
+    def report(self, rank: int = 0) -> bool:
+        """Outstanding rank ``rank`` reported (late); True once none is left."""
+        self.check_report(rank)
+        self.outstanding &= ~(1 << rank)
+        return self.outstanding == 0

@@ -249,14 +249,21 @@ class OffloadingScheduler:
         self._clock: Clock = clock if clock is not None else time.monotonic
         self._expiry = DeadlineQueue()
         self._quarantine: dict[int, Quarantined] = {}
+        self._abandoned = False  # a bounded shutdown gave up: quarantined copies are no longer pending work
         self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
         self._waiting_since: dict[str, float] = {}  # request -> when its lookup started waiting on a chunk
 
     # ------------------------------------------------------------------ queries
 
     def has_pending_push_work(self) -> bool:
-        """True while any job is unfinished or the manager has pending work. O(1)."""
-        return pending_push_work(self._jobs.values(), self.manager.has_pending_work)
+        """True while any job is unfinished, a quarantined copy has not reported, or the manager has
+        pending work. O(1)."""
+        return pending_push_work(self._jobs.values(), self._other_pending_work)
+
+    def _other_pending_work(self) -> bool:
+        """Pending work besides the awaited jobs: quarantined copies that have not reported (until a
+        shutdown gives them up, spec/README.md "Quarantine"), then the manager's own."""
+        return (bool(self._quarantine) and not self._abandoned) or self.manager.has_pending_work()
 
     def request_state(self, req_id: str) -> RequestState:
         """The state of a tracked request. An untracked id (never seen, or deleted: a request's record is
@@ -310,6 +317,11 @@ class OffloadingScheduler:
     def is_quarantined(self, job_id: int) -> bool:
         """True while a timed-out job's launched copies have not all reported (its memory is held)."""
         return job_id in self._quarantine
+
+    @property
+    def num_quarantined(self) -> int:
+        """Timed-out jobs whose launched copies have not all reported (each is pending work)."""
+        return len(self._quarantine)
 
     def quarantined_jobs(self) -> dict[int, Job]:
         return {jid: q.job for jid, q in self._quarantine.items()}
@@ -622,56 +634,53 @@ class OffloadingScheduler:
                 self._batch.flush.add(job.job_id)
 
     def update_connector_output(self, output: WorkerOutput) -> None:
-        """Apply the workers' summed reports. Validates everything before changing anything."""
+        """Apply the workers' merged reports, attributed to ranks. Validates everything before changing
+        anything: a report from a rank that never launched the job, a second report from one rank (or a
+        rank reporting both success and failure) raises :class:`AckCountError`."""
         threshold = self._stale_threshold
-        for reports, what in ((output.completed, "acks"), (output.failed, "failures")):
-            for job_id, count in reports.items():
-                if job_id < 0:
-                    raise UnknownJobError(
-                        f"worker reported {what} for job {job_id}, an id the scheduler never issues; "
-                        f"expected an id >= 0 (ids {threshold}..{self._job_counter - 1} are current)"
-                    )
-                if job_id < threshold:
-                    continue
-                job = self._jobs.get(job_id)
-                total = count + (output.completed.get(job_id, 0) if what == "failures" else 0)
-                if job is None:
-                    late = self._quarantine.get(job_id)
-                    if late is None:
-                        raise UnknownJobError(
-                            f"worker reported {what} for job {job_id}, which is not awaited "
-                            f"(ids {threshold}..{self._job_counter - 1} are current)"
-                        )
-                    if count < 1 or total > late.outstanding:
-                        raise AckCountError(
-                            f"timed-out job {job_id}: {total} late reports but {late.outstanding} copies "
-                            f"outstanding; expected 1..{late.outstanding}"
-                        )
-                    continue
-                if count < 1 or total > job.pending:
-                    raise AckCountError(
-                        f"job {job_id}: {total} reports but {job.pending} pending; expected 1..{job.pending}"
-                    )
-        for job_id, count in output.failed.items():
+        for job_id in output.job_ids():
+            ok: AbstractSet[int] = output.completed.get(job_id, frozenset())
+            bad: AbstractSet[int] = output.failed.get(job_id, frozenset())
+            what = "failures" if bad else "acks"
+            if job_id < 0:
+                raise UnknownJobError(
+                    f"worker reported {what} for job {job_id}, an id the scheduler never issues; "
+                    f"expected an id >= 0 (ids {threshold}..{self._job_counter - 1} are current)"
+                )
             if job_id < threshold:
-                self.stats.stale_reports_ignored += 1
                 continue
-            if job_id in self._quarantine:
-                self._late_report(job_id, count)
-                continue
-            job = self._jobs[job_id]
-            self._finish(job, job.fail(count))
-        for job_id, count in output.completed.items():
-            if job_id < threshold:
-                self.stats.stale_reports_ignored += 1
-                continue
-            if job_id in self._quarantine:
-                self._late_report(job_id, count)
-                continue
+            if not ok and not bad:
+                raise AckCountError(f"job {job_id}: a report that names no worker rank")
+            if ok & bad:
+                raise AckCountError(f"job {job_id}: ranks {sorted(ok & bad)} reported both success and failure")
             job = self._jobs.get(job_id)
             if job is None:
-                continue  # finished above by a failure report in the same output
-            self._finish(job, job.ack(count))
+                late = self._quarantine.get(job_id)
+                if late is None:
+                    raise UnknownJobError(
+                        f"worker reported {what} for job {job_id}, which is not awaited "
+                        f"(ids {threshold}..{self._job_counter - 1} are current)"
+                    )
+                for rank in sorted(ok | bad):
+                    late.check_report(rank)
+                continue
+            if job.state is not JobState.IN_FLIGHT:
+                raise AckCountError(f"job {job_id}: ranks {sorted(ok | bad)} reported a job no rank launched")
+            for rank in sorted(ok | bad):
+                job.check_report(rank)
+        for reports, success in ((output.failed, False), (output.completed, True)):
+            for job_id, ranks in reports.items():
+                if job_id < threshold:
+                    self.stats.stale_reports_ignored += 1
+                    continue
+                for rank in sorted(ranks):
+                    if job_id in self._quarantine:
+                        self._late_report(job_id, rank)
+                        continue
+                    job = self._jobs.get(job_id)
+                    if job is None:
+                        break  # released by this output's last report (a late one, or the job's W-th)
+                    self._finish(job, job.ack(rank) if success else job.fail(rank))
 
     def _finish(self, job: Job, effect: JobEffect | None, *, timed_out: bool = False) -> None:
         """Carry out a job effect: COMMIT completes the job on the manager, RELEASE rolls it back."""
@@ -685,8 +694,8 @@ class OffloadingScheduler:
         st = self._requests.get(job.req_id)
         ctx = st.ctx if st is not None else ReqContext(job.req_id)
         # A timed-out job's launched copies may still be running: keep its memory until they report.
-        outstanding = job.launched_mask.bit_count() - (job.world_size - job.pending) if timed_out else 0
-        if outstanding > 0:
+        outstanding = job.launched_mask & ~job.reported_mask if timed_out else 0
+        if outstanding:
             self._quarantine[job.job_id] = Quarantined(job, ctx, outstanding)
         if job.kind is JobKind.STORE:
             if outstanding <= 0:
@@ -721,10 +730,10 @@ class OffloadingScheduler:
         if st.state is RequestState.FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
 
-    def _late_report(self, job_id: int, count: int) -> None:
+    def _late_report(self, job_id: int, rank: int) -> None:
         q = self._quarantine[job_id]
-        self.stats.late_reports_ignored += count
-        if q.report(count):
+        self.stats.late_reports_ignored += 1
+        if q.report(rank):
             del self._quarantine[job_id]
             self._release_quarantined(q)
 
@@ -766,6 +775,7 @@ class OffloadingScheduler:
                 self._finish(job, job.time_out(), timed_out=True)
                 timed_out += 1
         self._expiry.clear()
+        self._abandoned = True  # the quarantined copies are given up too: shutdown releases their memory
         # A tiering manager gives up on its cascades and promotions the same way (others: 0).
         return cancelled, timed_out, self.manager.abandon_transfers()
 

@@ -374,15 +374,17 @@ class TieringManager(OffloadingManager):
 
     @override
     def has_pending_work(self) -> bool:
-        """In-flight transfers, or a tier's own work. O(tiers): never walks the jobs.
+        """In-flight transfers, quarantined ones, or a tier's own work. O(tiers): never walks the jobs.
 
         Promotions reserved but not yet submitted need no term: ``on_schedule_end`` submits them in the
-        same step, after which they are in ``_transfer_jobs``. Timed-out (quarantined) transfers are not
-        pending work: a hung tier never reports, and counting it would keep the engine stepping forever.
+        same step, after which they are in ``_transfer_jobs``. A timed-out (quarantined) transfer whose tier
+        has not reported is pending work until it does (spec/README.md, "Quarantine"): the tier may still
+        read or write its slot, and only a poll hands the slot back. A shutdown that gives up
+        (``abandon_transfers``) ends all of it.
         """
         if self._abandoned:
             return False
-        if self._transfer_jobs:
+        if self._transfer_jobs or self._quarantine:
             return True
         return any(tier.has_pending_work() for tier in self._tiers)
 
@@ -634,7 +636,7 @@ class TieringManager(OffloadingManager):
                 continue
             rec = self._transfer_jobs.pop(res.job_id)
             job = rec.job
-            effect = job.ack(1) if res.success else job.fail()
+            effect = job.ack(0) if res.success else job.fail(0)
             match effect:
                 case JobEffect.COMMIT:
                     self._commit(rec, now)

@@ -8,7 +8,7 @@ Per engine step the engine calls, on every worker (one per tensor-parallel rank)
 2. the forward pass;
 3. :meth:`OffloadingWorker.after_forward` - launch the step's remaining store jobs: they read blocks the
    forward has just written, so they start after it;
-4. :meth:`OffloadingWorker.poll` - a :class:`WorkerOutput` with one ack (or failure) per finished job.
+4. :meth:`OffloadingWorker.poll` - a :class:`WorkerOutput` with this rank's ack (or failure) of each finished job.
 
 The job machine decides every launch: ``job.launch(rank)`` fires ``launch`` for this rank (at most once,
 the spec's ``worker_not_launched`` guard) and returns True when its effect is ``start_copy``. Terminal jobs
@@ -124,7 +124,8 @@ class OffloadingWorker:
             self._launch(job)
 
     def poll(self) -> WorkerOutput:
-        """One ack per job that finished since the last poll: ``completed`` on success, else ``failed``.
+        """This rank's report of each job that finished since the last poll: ``completed`` on success, else
+        ``failed``, attributed to :attr:`rank`.
 
         A finished load also reports its request in ``finished_recving`` (whatever its outcome: this rank is
         done with it; the scheduler reads the job's outcome from the counts).
@@ -135,10 +136,7 @@ class OffloadingWorker:
         results.extend(self.backend.poll())
         for job_id, ok in results:
             job = self._launched.pop(job_id, None)
-            if ok:
-                out.completed[job_id] = out.completed.get(job_id, 0) + 1
-            else:
-                out.failed[job_id] = out.failed.get(job_id, 0) + 1
+            out.add(job_id, self.rank, ok=ok)
             if job is not None and job.kind is JobKind.LOAD:
                 out.finished_recving.add(job.req_id)
         return out

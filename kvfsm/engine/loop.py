@@ -616,8 +616,9 @@ class EngineLoop:
                 w.after_forward(meta)
             if not self.has_pending_push_work():
                 break
-            # Only the manager's own transfers (tier cascades) are left: wait for them, not for a step.
-            manager_only = self.scheduler.num_jobs == 0
+            # Only the manager's own transfers (tier cascades) are left: wait for them, not for a step. A
+            # quarantined GPU copy is the workers' to finish (pending work until it reports).
+            manager_only = self.scheduler.num_jobs == 0 and self.scheduler.num_quarantined == 0
             if end is None:
                 rounds += 1
                 if rounds > max_rounds:

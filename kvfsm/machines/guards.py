@@ -1,8 +1,9 @@
 """The spec machines with their guards bound: the only code that says *when* a transition may fire.
 
-Each guard is a function ``(model, arg) -> bool``; ``arg`` is the event's one integer argument (an ack
-count, a worker rank) or 0. Names must match the ``[guards]`` tables in spec/ exactly. Each machine is
-typed by its state, event and effect enums from :mod:`kvfsm.machines.names`; the rules are in ``spec/README.md``.
+Each guard is a function ``(model, arg) -> bool``; ``arg`` is the event's one integer argument (a worker
+rank: the launching or the reporting one) or 0. Names must match the ``[guards]`` tables in spec/ exactly.
+Each machine is typed by its state, event and effect enums from :mod:`kvfsm.machines.names`; the rules are
+in ``spec/README.md``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ __all__ = ["engine_machine", "job_machine", "request_machine", "slot_machine"]
 
 class _JobModel(Protocol):
     state: JobState
-    pending: int
+    world_size: int
     launched_mask: int
+    reported_mask: int
     failed_reports: int
 
 
@@ -57,20 +59,30 @@ def _worker_not_launched(job: _JobModel, rank: int) -> bool:
     return not (job.launched_mask >> rank) & 1
 
 
-def _acks_still_pending(job: _JobModel, count: int) -> bool:
-    return 0 < count < job.pending
+def _rank_launched_not_reported(job: _JobModel, rank: int) -> bool:
+    """The reporting ``rank`` launched the job and has not reported it yet (every report guard's premise)."""
+    return 0 <= rank < job.world_size and bool((job.launched_mask & ~job.reported_mask) >> rank & 1)
 
 
-def _ack_is_last(job: _JobModel, count: int) -> bool:
-    return count == job.pending
+def _is_last_report(job: _JobModel, rank: int) -> bool:
+    """``rank``'s report completes the set: every one of the W ranks has then launched and reported."""
+    return job.reported_mask | (1 << rank) == (1 << job.world_size) - 1
 
 
-def _last_ack_clean(job: _JobModel, count: int) -> bool:
-    return count == job.pending and job.failed_reports == 0
+def _acks_still_pending(job: _JobModel, rank: int) -> bool:
+    return _rank_launched_not_reported(job, rank) and not _is_last_report(job, rank)
 
 
-def _last_ack_after_failure(job: _JobModel, count: int) -> bool:
-    return count == job.pending and job.failed_reports > 0
+def _ack_is_last(job: _JobModel, rank: int) -> bool:
+    return _rank_launched_not_reported(job, rank) and _is_last_report(job, rank)
+
+
+def _last_ack_clean(job: _JobModel, rank: int) -> bool:
+    return _ack_is_last(job, rank) and job.failed_reports == 0
+
+
+def _last_ack_after_failure(job: _JobModel, rank: int) -> bool:
+    return _ack_is_last(job, rank) and job.failed_reports > 0
 
 
 def _other_readers_remain(slot: _SlotModel, _: int) -> bool:

@@ -23,12 +23,21 @@ Exported families:
   ``kvfsm_store_allocation_failures_total`` from watched schedulers;
 - ``kvfsm_engine_state{state}``: 1 for the engine's current state;
 - ``kvfsm_stuck_jobs{kind,state}`` (gauge) and ``kvfsm_stuck_job_warnings_total{kind,state}``: the stuck-job
-  detector.
+  detector;
+- ``kvfsm_stuck_quarantined_copies{kind}`` (gauge) and ``kvfsm_stuck_copy_warnings_total{kind}``: the
+  stuck-copy detector.
 
 Stuck jobs: :meth:`check_stuck` (called by the engine loop, a timer, or each scrape) warns once per job and
 state when a job has stayed in a live state longer than ``stuck_after`` seconds. Live jobs are kept in the
 order they entered their state, so a check costs O(stuck jobs + 1). Every time comes from the injectable
 ``clock``; tests pass a fake one and never sleep.
+
+Stuck copies: a timed-out job whose launched copy has not reported stays quarantined, and it is pending
+work, so the engine keeps draining until the copy reports (spec/README.md, "Quarantine"). A copy that
+never reports would keep the engine stepping silently; :meth:`check_stuck` therefore also warns, once per
+copy, when a watched scheduler (:meth:`watch_scheduler`) still holds a quarantined copy more than
+``stuck_after`` seconds after its job timed out, and reports it as a :class:`StuckJob` in state
+``quarantined``.
 """
 
 from __future__ import annotations
@@ -186,6 +195,10 @@ class KvfsmMetrics:
         self._gbps: dict[str, _Histogram] = {}
         self._tiers: dict[str, Callable[[], Mapping[str, int]]] = {}
         self._schedulers: list[Any] = []
+        #: Jobs that entered timed_out while a scheduler is watched: id -> (job, when), pruned at each check.
+        self._timed_out_at: dict[int, tuple[object, float]] = {}
+        self._copy_warned: set[int] = set()  # ids of quarantined copies already warned about
+        self.stuck_copies_total: Counter[str] = Counter()  # kind -> stuck-copy warnings
         self._handle: TracerHandle | None = None
         self._installed = False
 
@@ -290,6 +303,8 @@ class KvfsmMetrics:
             tracked.entered = now
         if dest in self._terminal[machine]:
             del self._tracked[key]
+        if machine == "job" and dest == "timed_out" and self._schedulers:
+            self._timed_out_at[key] = (model, now)
 
     def _on_job(self, key: int, tracked: _Tracked, event: str, dest: str, now: float) -> None:
         kind, source = tracked.kind, tracked.state
@@ -337,32 +352,66 @@ class KvfsmMetrics:
     # ------------------------------------------------------------------ stuck jobs
 
     def check_stuck(self, now: float | None = None) -> list[StuckJob]:
-        """Jobs in one live state for longer than ``stuck_after``; each (job, state) is warned once."""
+        """Jobs in one live state for longer than ``stuck_after``; each (job, state) is warned once. Then
+        the quarantined copies of watched schedulers that have not reported ``stuck_after`` seconds after
+        their job timed out (state ``quarantined``); each copy is warned once."""
         t = self.clock() if now is None else now
         found: list[StuckJob] = []
         with self._lock:
-            for key in self._job_queue:
-                tracked = self._tracked.get(key)
-                if tracked is None:
-                    continue
-                age = t - tracked.entered
-                if age <= self.stuck_after:
-                    break  # the queue is in entry order: every later job entered its state later
-                job = tracked.model
-                stuck = StuckJob(
-                    int(getattr(job, "job_id", -1)),
-                    tracked.kind,
-                    str(getattr(job, "req_id", "")),
-                    tracked.state,
-                    tracked.entered,
-                    age,
-                )
-                found.append(stuck)
-                if self._warned.get(key) != tracked.state:
-                    self._warned[key] = tracked.state
-                    self.stuck_total[(tracked.kind, tracked.state)] += 1
-                    self.log.warning("stuck job: %s (threshold %.3g s)", stuck, self.stuck_after)
+            self._check_stuck_jobs(t, found)
+            self._check_stuck_copies(t, found)
         return found
+
+    def _check_stuck_copies(self, t: float, found: list[StuckJob]) -> None:
+        quarantined: dict[int, object] = {}
+        for sched in self._schedulers:
+            for job in sched.quarantined_jobs().values():
+                quarantined[id(job)] = job
+        for key in [k for k, (job, _) in self._timed_out_at.items() if quarantined.get(k) is not job]:
+            del self._timed_out_at[key]  # its copies reported: the memory was handed back
+        self._copy_warned &= self._timed_out_at.keys()
+        for key, job in quarantined.items():
+            since = self._timed_out_at.setdefault(key, (job, t))[1]  # timed out before it was watched: now
+            age = t - since
+            if age <= self.stuck_after:
+                continue
+            kind = _kind("job", job)
+            stuck = StuckJob(
+                int(getattr(job, "job_id", -1)), kind, str(getattr(job, "req_id", "")), "quarantined", since, age
+            )
+            found.append(stuck)
+            if key not in self._copy_warned:
+                self._copy_warned.add(key)
+                self.stuck_copies_total[kind] += 1
+                self.log.warning(
+                    "stuck copy: %s has not reported since its time-out; the engine keeps draining until it "
+                    "does (threshold %.3g s)",
+                    stuck,
+                    self.stuck_after,
+                )
+
+    def _check_stuck_jobs(self, t: float, found: list[StuckJob]) -> None:
+        for key in self._job_queue:
+            tracked = self._tracked.get(key)
+            if tracked is None:
+                continue
+            age = t - tracked.entered
+            if age <= self.stuck_after:
+                break  # the queue is in entry order: every later job entered its state later
+            job = tracked.model
+            stuck = StuckJob(
+                int(getattr(job, "job_id", -1)),
+                tracked.kind,
+                str(getattr(job, "req_id", "")),
+                tracked.state,
+                tracked.entered,
+                age,
+            )
+            found.append(stuck)
+            if self._warned.get(key) != tracked.state:
+                self._warned[key] = tracked.state
+                self.stuck_total[(tracked.kind, tracked.state)] += 1
+                self.log.warning("stuck job: %s (threshold %.3g s)", stuck, self.stuck_after)
 
     # ------------------------------------------------------------------ reading
 
@@ -405,6 +454,7 @@ class KvfsmMetrics:
                 "allocation_failures": sum(s.stats.allocation_failures for s in self._schedulers),
                 "stuck": [str(s) for s in stuck],
                 "stuck_total": {f"{k}/{s}": n for (k, s), n in sorted(self.stuck_total.items())},
+                "stuck_copies_total": dict(sorted(self.stuck_copies_total.items())),
             }
 
     # ------------------------------------------------------------------ prometheus
@@ -475,6 +525,21 @@ class KvfsmMetrics:
             for (kind, state), n in sorted(self.stuck_total.items()):
                 warnings.add_metric([kind, state], n)
             yield warnings
+            copies_now: Counter[str] = Counter()
+            for key in self._copy_warned:
+                copies_now[_kind("job", self._timed_out_at[key][0])] += 1
+            copies = gauge(
+                "kvfsm_stuck_quarantined_copies",
+                "Timed-out copies over the stuck threshold that have not reported (the engine keeps draining)",
+                labels=["kind"],
+            )
+            for kind, n in sorted(copies_now.items()):
+                copies.add_metric([kind], n)
+            yield copies
+            copy_warnings = counter("kvfsm_stuck_copy_warnings", "Stuck-copy warnings", labels=["kind"])
+            for kind, n in sorted(self.stuck_copies_total.items()):
+                copy_warnings.add_metric([kind], n)
+            yield copy_warnings
 
     def registry(self) -> Any:
         """A new prometheus ``CollectorRegistry`` holding these metrics."""
