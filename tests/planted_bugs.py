@@ -35,11 +35,14 @@ from kvfsm.machines.compiled import Guard
 from kvfsm.machines.names import SlotState
 
 __all__ = [
+    "DATA_PLANE_LIES",
     "PLANTED_BUGS",
     "plant_evict_reading_slot",
     "plant_fence_flush_skipped",
+    "plant_future_done_early",
     "plant_idle_with_manager_work",
     "plant_partial_acks_ignored",
+    "plant_poll_reports_unfinished",
     "plant_readable_on_first_ack",
     "plant_reset_keeps_stale_threshold",
 ]
@@ -141,4 +144,57 @@ PLANTED_BUGS: dict[str, Callable[[pytest.MonkeyPatch], AbstractContextManager[No
     "evict_reading_slot": plant_evict_reading_slot,
     "fence_flush_skipped": plant_fence_flush_skipped,
     "reset_keeps_stale_threshold": plant_reset_keeps_stale_threshold,
+}
+
+
+# ---------------------------------------------------------------------------------------------- data-plane lies
+#
+# Lies told by the real copy backend (kvfsm.data.backend.ThreadPoolCopyBackend), not by a pure decision: the
+# model checker cannot see them (it has no data plane), so only the engine state machine, whose ground truth
+# and report-time byte checks come from the data plane, is run against them.
+
+
+@contextmanager
+def plant_poll_reports_unfinished(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The copy backend's ``poll`` reports every submitted job, finished or not: jobs whose copy thread is
+    still running (or has not started writing) are reported as done."""
+    pytest.importorskip("torch")
+    from kvfsm.data.backend import ThreadPoolCopyBackend
+
+    def lying_poll(self: ThreadPoolCopyBackend) -> list[tuple[int, bool]]:
+        inflight = self._inflight
+        finished = [(job_id, not (f.done() and f.exception() is not None)) for job_id, f in inflight.items()]
+        inflight.clear()
+        return finished
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ThreadPoolCopyBackend, "poll", lying_poll)
+        yield
+
+
+@contextmanager
+def plant_future_done_early(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A copy's future completes when the copy is submitted, before its thread has written any byte."""
+    pytest.importorskip("torch")
+    from concurrent.futures import Future
+
+    from kvfsm.data.backend import ThreadPoolCopyBackend
+
+    real_submit = ThreadPoolCopyBackend.submit
+
+    def early_submit(self: ThreadPoolCopyBackend, job_id: int, *args: Any) -> Future[None]:
+        real_submit(self, job_id, *args)  # the copy really runs, on its thread, later
+        early: Future[None] = Future()
+        early.set_result(None)
+        self._inflight[job_id] = early
+        return early
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ThreadPoolCopyBackend, "submit", early_submit)
+        yield
+
+
+DATA_PLANE_LIES: dict[str, Callable[[pytest.MonkeyPatch], AbstractContextManager[None]]] = {
+    "poll_reports_unfinished": plant_poll_reports_unfinished,
+    "future_done_early": plant_future_done_early,
 }

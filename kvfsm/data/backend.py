@@ -44,6 +44,7 @@ import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.data.calibration import CalibrationTable, Choice, cached_table
+from kvfsm.data.gate import CopyGate
 from kvfsm.data.hostmem import host_buffer
 from kvfsm.data.layout import is_int
 from kvfsm.data.plan import IndexArray, JobPlan, LayerGroup, Registration, chunk_rows, contiguous_start
@@ -480,6 +481,11 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
     on the first job, on a copy thread), ``"staged"`` or ``"runs"``. ``layers_per_group``: layers batched
     together (default: all).
 
+    ``gate``: a :class:`~kvfsm.data.gate.CopyGate` each copy thread passes through before and after moving a
+    job's bytes (tests: completion decided by the test, inside the real copy path); None (the default) costs
+    nothing. :meth:`unfinished_job_ids` and :meth:`unreported_job_ids` say, from the futures, which copies are
+    still running or not yet reported.
+
     KV caches on a CUDA device are accepted too, with a simple synchronous fallback on the copy threads
     (:meth:`_copy_device`); :class:`kvfsm.data.cuda.CudaCopyBackend` is the CUDA backend proper.
     """
@@ -490,6 +496,7 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         "_closed",
         "_executor",
         "_forced",
+        "_gate",
         "_helpers",
         "_inflight",
         "_local",
@@ -517,6 +524,7 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         layers_per_group: int | None = None,
         calibration: CalibrationTable | None = None,
         split_threads: int = 1,
+        gate: CopyGate | None = None,
     ) -> None:
         if not is_int(max_workers) or max_workers < 1:
             raise ConfigError(f"max_workers must be a positive int, got {max_workers!r}")
@@ -545,6 +553,7 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         #: (direction, path) -> layer-group copies done that way
         self.path_counts: Counter[tuple[str, str]] = Counter()
         self._closed = False
+        self._gate = gate
 
     # ------------------------------------------------------------------ validation
 
@@ -565,7 +574,7 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
             # forward that wrote the blocks, or that may still read or zero re-allocated ones).
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        future = self._executor.submit(self._run, is_store, gpu, slots, ready)
+        future = self._executor.submit(self._run, job_id, is_store, gpu, slots, ready)
         self._inflight[job_id] = future
         return future
 
@@ -600,6 +609,18 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
 
+    def unfinished_job_ids(self) -> list[int]:
+        """Jobs submitted whose copy has not finished (queued, running, or held at the gate), sorted."""
+        return sorted(j for j, f in list(self._inflight.items()) if not f.done())
+
+    def unreported_job_ids(self) -> list[int]:
+        """Jobs submitted and not yet reported by :meth:`poll` (finished or not), sorted."""
+        return sorted(self._inflight)
+
+    @property
+    def gate(self) -> CopyGate | None:
+        return self._gate
+
     @property
     def num_inflight(self) -> int:
         """Jobs submitted and not yet reported by :meth:`poll`."""
@@ -618,8 +639,13 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
             self._calibration = cpu_calibration(self._parts)
         return self._calibration
 
-    def _run(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec, ready: torch.cuda.Event | None) -> None:
+    def _run(
+        self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec, ready: torch.cuda.Event | None
+    ) -> None:
+        gate = self._gate
         try:
+            if gate is not None:
+                gate.enter(job_id)
             plan = self.registration.plan(is_store, gpu, slots)
             if plan.num_blocks:
                 if self.copier is None:
@@ -629,6 +655,9 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         except BaseException:
             self._tally.failed()
             raise
+        finally:
+            if gate is not None:
+                gate.leave(job_id)
         self._tally.succeeded(is_store, len(gpu.block_ids) * self._bytes_per_block)
 
     def _copy(self, plan: JobPlan) -> None:

@@ -7,9 +7,14 @@ Needs the ``torch`` extra (imported here, and only here, by :mod:`kvfsm.testing`
 finishes is an input of the test, never a race. A blocking ``wait`` (a fence or preemption flush) runs the
 copies it waits for, as the real wait would.
 
+:class:`GatedCopyBackend` does the same with the copy genuinely in flight: the real backend's copy thread
+holds inside its copy path (:class:`~kvfsm.data.gate.CopyGate`) until the test releases it, and every report
+is checked against the destination bytes at the poll that makes it.
+
 :class:`CopyBackendStateMachine` checks any CopyBackend against what the workers rely on (see
 :class:`kvfsm.data.backend.CopyBackend`): ``check`` never changes anything and rejects what ``submit`` would
-fail on; every submitted job is reported by ``poll`` exactly once, after it finished; ``wait`` returns only
+fail on; every submitted job is reported by ``poll`` exactly once, after it finished (its destination bytes
+are checked at the poll that reports it); ``wait`` returns only
 when the named jobs are done; a store copies exactly the GPU blocks into the slot rows and a load copies
 them back, byte for byte, whatever the block and slot permutation. Subclass it and implement
 :meth:`~CopyBackendStateMachine.make_backend`::
@@ -25,7 +30,7 @@ them back, byte for byte, whatever the block and slot permutation. Subclass it a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,11 +42,12 @@ from typing_extensions import override
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.control.worker import CopyBackend
-from kvfsm.data.backend import chunk_rows
+from kvfsm.data.backend import ThreadPoolCopyBackend, chunk_rows
+from kvfsm.data.gate import CopyGate
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.errors import ConfigError
 
-__all__ = ["CopyBackendStateMachine", "ManualCopyBackend"]
+__all__ = ["CopyBackendStateMachine", "GatedCopyBackend", "ManualCopyBackend"]
 
 
 @dataclass(slots=True)
@@ -137,6 +143,155 @@ class ManualCopyBackend:
         for job_id in list(job_ids):
             if job_id in self._held:
                 self.complete(job_id, ok=job_id not in self.fail_on_wait)
+
+    def shutdown(self) -> None:
+        self.complete_all()
+        self.inner.shutdown()
+
+
+@dataclass(slots=True)
+class _Gated:
+    is_store: bool
+    gpu: GPUBlockSpec
+    slots: SlotSpec
+    rows: list[int]
+    future: Future[None]
+    #: The source bytes (per layer, per block) as they were when the copy was released: what the destination
+    #: must hold once the backend reports the job finished.
+    source: list[list[torch.Tensor]] | None = None
+
+
+class GatedCopyBackend:
+    """The CopyBackend protocol over a real :class:`ThreadPoolCopyBackend` whose copy threads hold at its
+    :class:`~kvfsm.data.gate.CopyGate`.
+
+    ``submit`` hands the job to the real backend at once: its copy thread starts and holds inside the real
+    copy path until :meth:`complete` releases it, so *when* a transfer finishes is an input of the test while
+    the copy is genuinely in flight on the data plane (:meth:`in_flight_ids`, :meth:`running_ids` come from
+    the backend's own futures, never from this wrapper). ``complete(job_id)`` releases the copy and returns
+    once its thread has left the copy path and its future is done, so the next :meth:`poll` reports it;
+    ``complete(job_id, ok=False)`` makes the copy fail on its thread without moving anything. ``wait(ids)``
+    (a fence or preemption flush) completes the held jobs it names (failing those in :attr:`fail_on_wait`).
+
+    Honesty at report time: every job :meth:`poll` reports as finished has its destination checked right
+    then, on the data plane (a store: the CPU slot rows; a load: the GPU blocks), against the source bytes
+    as they were when the copy was released (or, for a copy never released, as they are now). What is wrong
+    is kept in :attr:`problems` for the harness to raise at its next check.
+    """
+
+    def __init__(self, inner: ThreadPoolCopyBackend, max_held: int | None = None) -> None:
+        gate = inner.gate
+        if gate is None:
+            raise ConfigError("GatedCopyBackend needs a ThreadPoolCopyBackend built with gate=CopyGate()")
+        self.inner = inner
+        self.gate: CopyGate = gate
+        self.num_waits = 0
+        self.fail_on_wait: set[int] = set()
+        #: Every submission, in order.
+        self.submitted: list[int] = []
+        #: Reports whose destination bytes were checked at poll time.
+        self.reports_checked = 0
+        #: What the report-time checks found wrong (the harness raises them).
+        self.problems: list[str] = []
+        self._jobs: dict[int, _Gated] = {}
+        #: Held copies allowed at once (each occupies a copy thread: keep it below the backend's threads).
+        self.max_held = max_held
+        #: Jobs whose report is not byte-checked (set by the harness: jobs the spec has given up on, whose
+        #: memory may already hold a later job's bytes when their late report comes, e.g. stale jobs).
+        self.report_exempt: Callable[[int], bool] = lambda job_id: False
+
+    # -- test controls and ground truth --
+
+    @property
+    def held_ids(self) -> tuple[int, ...]:
+        """Jobs submitted whose copy thread has not been released yet, in submission order."""
+        return tuple(j for j, job in self._jobs.items() if not self.gate.is_released(j))
+
+    def in_flight_ids(self) -> set[int]:
+        """Jobs the real backend has not reported yet (running, held at the gate, or finished unpolled)."""
+        return set(self.inner.unreported_job_ids())
+
+    def running_ids(self) -> set[int]:
+        """Jobs whose real copy has not finished (their future is not done)."""
+        return set(self.inner.unfinished_job_ids())
+
+    def _source(self, job: _Gated) -> list[list[torch.Tensor]]:
+        kv, pool = self.inner.kv_caches, self.inner.pool
+        if job.is_store:
+            return [[layer[b].cpu().clone() for b in job.gpu.block_ids] for layer in kv]
+        return [[pool.block(layer, r).clone() for r in job.rows] for layer in range(pool.num_layers)]
+
+    def _destination_problems(self, job_id: int, job: _Gated) -> list[str]:
+        kv, pool = self.inner.kv_caches, self.inner.pool
+        source = job.source if job.source is not None else self._source(job)
+        out: list[str] = []
+        for layer in range(pool.num_layers):
+            for i, (block, row) in enumerate(zip(job.gpu.block_ids, job.rows, strict=True)):
+                got = pool.block(layer, row) if job.is_store else kv[layer][block].cpu()
+                if not torch.equal(got, source[layer][i]):
+                    where = f"pool row {row}" if job.is_store else f"GPU block {block}"
+                    out.append(
+                        f"poll reported {'store' if job.is_store else 'load'} job {job_id} finished, but {where} "
+                        f"(layer {layer}) does not hold the copied bytes"
+                    )
+        return out
+
+    def complete(self, job_id: int, ok: bool = True) -> None:
+        """Release (``ok``) or fail (not ``ok``) the held copy of ``job_id``; the next poll reports it."""
+        job = self._jobs.get(job_id)
+        if job is None or self.gate.is_released(job_id):
+            raise ConfigError(f"job {job_id} is not held; expected one of {list(self.held_ids)}")
+        if ok:
+            job.source = self._source(job)
+        self.gate.release(job_id, ok)
+        self.gate.wait_left(job_id)  # the copy thread has moved every byte it will move
+        job.future.exception()  # and its future is done: the next poll reports it (whatever the future says)
+
+    def complete_all(self) -> None:
+        for job_id in self.held_ids:
+            self.complete(job_id)
+
+    def close(self) -> None:
+        """Release every copy thread (held or arriving later) and stop the real backend."""
+        self.gate.open()
+        self.inner.shutdown()
+
+    # -- CopyBackend --
+
+    def check(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> None:
+        self.inner.check(is_store, gpu, slots)
+
+    def submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> Future[None]:
+        if self.max_held is not None and len(self.held_ids) >= self.max_held:
+            raise AssertionError(f"{self.max_held} copies held at once; the backend has no thread left to release one")
+        rows = chunk_rows(gpu, slots, self.inner.blocks_per_chunk)
+        future = self.inner.submit(job_id, is_store, gpu, slots)
+        self._jobs[job_id] = _Gated(is_store, gpu, slots, rows, future)
+        self.submitted.append(job_id)
+        return future
+
+    def poll(self) -> list[tuple[int, bool]]:
+        reported = self.inner.poll()
+        for job_id, ok in reported:
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                self.problems.append(f"poll reported job {job_id}, which is not in flight (never submitted, or twice)")
+                continue
+            if ok and not self.report_exempt(job_id):
+                self.reports_checked += 1
+                self.problems.extend(self._destination_problems(job_id, job))
+            if self.gate.has_left(job_id):
+                self.gate.forget(job_id)
+        return reported
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        self.num_waits += 1
+        ids = list(job_ids)
+        held = set(self.held_ids)
+        for job_id in ids:
+            if job_id in held:
+                self.complete(job_id, ok=job_id not in self.fail_on_wait)
+        self.inner.wait(ids)
 
     def shutdown(self) -> None:
         self.complete_all()
@@ -245,6 +400,12 @@ class CopyBackendStateMachine(RuleBasedStateMachine):
                 self._problems.append(f"poll reported job {job_id} twice")
             elif not ok:
                 self._problems.append(f"the copy of job {job_id} failed")
+            elif job_id in self._jobs:
+                # Honest at report time: the destination holds the copied bytes at the poll that reports it.
+                try:
+                    self._check_job(job_id, self._jobs[job_id])
+                except AssertionError as exc:
+                    self._problems.append(f"at the poll that reported it: {exc}")
             self._reported.add(job_id)
 
     def _check_job(self, job_id: int, job: _Submitted) -> None:

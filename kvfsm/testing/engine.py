@@ -4,8 +4,12 @@ Needs the ``torch`` extra. :class:`EngineStateMachine` runs the rules and checks
 :mod:`kvfsm.testing.system` on a :class:`~kvfsm.engine.core.ReferenceEngine`: the scheduler half, the CPU
 primary (optionally in front of an :class:`~kvfsm.tiers.memory.InMemoryTier` that copies real slot
 bytes), and ``W`` workers whose :class:`~kvfsm.data.backend.ThreadPoolCopyBackend` copies run real torch
-gathers and scatters. Each backend is wrapped in a :class:`~kvfsm.testing.backend.ManualCopyBackend`, so a
-copy runs only when a rule completes it (waiting on its real future) or when a step blocks on it.
+gathers and scatters. Each backend has a :class:`~kvfsm.data.gate.CopyGate` and is wrapped in a
+:class:`~kvfsm.testing.backend.GatedCopyBackend`: a submitted copy is genuinely running on the backend's
+thread, held inside the real copy path until a rule releases it (or a step blocks on it), so the engine
+steps, looks up and admits while real copies are in flight. Which copies are in flight is read from the
+backends' own futures (the data plane's ground truth), and every job a backend reports finished has its
+destination bytes checked at the poll that reports it.
 
 The data checks are byte for byte: a readable CPU slot must hold, on every rank, the head shard of the
 value the stand-in forward writes for each of its blocks; a store that has not copied yet must find those
@@ -23,15 +27,21 @@ from typing_extensions import override
 from kvfsm.control.deadlines import ManualClock
 from kvfsm.control.worker import CopyBackend
 from kvfsm.data.backend import ThreadPoolCopyBackend
+from kvfsm.data.gate import CopyGate
 from kvfsm.data.layout import head_shard
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.engine.core import EngineConfig, ReferenceEngine
-from kvfsm.testing.backend import ManualCopyBackend
+from kvfsm.engine.loop import PollMode
+from kvfsm.testing.backend import GatedCopyBackend
 from kvfsm.testing.control import LoopHarness
 from kvfsm.testing.coverage import spec_covered
 from kvfsm.testing.system import SYSTEM_EXEMPT, SystemConfig, SystemHarness, SystemStateMachine, make_manager
 
 __all__ = ["EngineHarness", "EngineStateMachine", "PoolsSlotIO"]
+
+#: Copy threads per rank: more than the copies one rank can have held at once (each held copy occupies a
+#: thread; a released one must always find a free thread, or waiting for it would never end).
+GATED_COPY_THREADS = 32
 
 
 class PoolsSlotIO:
@@ -76,12 +86,15 @@ class EngineHarness(LoopHarness):
             max_num_batched_tokens=config.max_num_batched_tokens,
             copy_threads=1,
             device=device,
+            # A step that only polls returns at once (no idle wait: completion is the rules' input).
+            poll=PollMode.BUSY,
         )
-        self.backends: list[ManualCopyBackend] = []
+        self.backends: list[GatedCopyBackend] = []
         self.pools: list[CPUSlotPool] = []
 
-        def manual_backend(shard: list[torch.Tensor], pool: CPUSlotPool, bpc: int, threads: int) -> CopyBackend:
-            backend = ManualCopyBackend(ThreadPoolCopyBackend(shard, pool, bpc, max_workers=threads))
+        def gated_backend(shard: list[torch.Tensor], pool: CPUSlotPool, bpc: int, threads: int) -> CopyBackend:
+            inner = ThreadPoolCopyBackend(shard, pool, bpc, max_workers=GATED_COPY_THREADS, gate=CopyGate())
+            backend = GatedCopyBackend(inner, max_held=GATED_COPY_THREADS - 1)
             self.pools.append(pool)
             self.backends.append(backend)
             return backend
@@ -91,9 +104,14 @@ class EngineHarness(LoopHarness):
             manager=manager,
             deadlines=config.deadlines,
             clock=self.clock,
-            backend_factory=manual_backend,
+            backend_factory=gated_backend,
         )
         io.pools = self.pools
+        scheduler = self.engine.scheduler
+        for b in self.backends:
+            # A stale job's slots are reused at once (the spec gives up on it): its late report finds them
+            # holding a later job's bytes.
+            b.report_exempt = lambda job_id: job_id < scheduler.stale_threshold
         world = config.world_size
         self._shards = [head_shard(engine_config.num_heads, world, rank) for rank in range(world)]
         self._expected: dict[tuple[bytes, int, int], torch.Tensor] = {}
@@ -129,9 +147,21 @@ class EngineHarness(LoopHarness):
         ]
 
     @override
+    def copies_running(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for rank, b in enumerate(self.backends):
+            for job_id in b.running_ids():
+                out.setdefault(job_id, set()).add(rank)
+        return out
+
+    @override
+    def data_plane_problems(self) -> list[str]:
+        return [f"rank {rank}: {p}" for rank, b in enumerate(self.backends) for p in b.problems]
+
+    @override
     def close(self) -> None:
         for b in self.backends:
-            b.inner.shutdown()
+            b.close()
 
 
 @spec_covered("job", "request", "engine", "slot", exempt=SYSTEM_EXEMPT)

@@ -20,6 +20,10 @@ Checked after every rule (:meth:`SystemStateMachine.system_violations`):
   a tier job (submitted, or finished and not yet applied); stale and timed-out (quarantined) jobs are
   given up on by the spec and do not count;
 * the engine is idle only when nothing is pending;
+* the same on the data plane's ground truth (:meth:`SystemStateMachine.pending_covers_data_plane`): while a
+  copy backend has a copy of a live job unfinished or unreported (its own futures), or the tier holds a
+  live transfer, ``has_pending_push_work()`` is True and the engine is not idle; every job a backend
+  reports finished holds its bytes at its destination at that poll (:meth:`SystemHarness.data_plane_problems`);
 * every load returns exactly the stored bytes, and every readable CPU slot holds, on every worker, exactly
   the bytes the forward wrote for its chunk; a store that has not copied yet still finds its GPU source
   blocks intact (gpu_source_not_overwritten, on the data);
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -57,6 +62,7 @@ from kvfsm.testing.coverage import TransitionLog, covers, spec_covered
 from kvfsm.tiers.memory import InMemoryTier
 
 __all__ = [
+    "GROUND_TRUTH_CHECKS",
     "SYSTEM_EXEMPT",
     "CompletionHook",
     "CountingCPUManager",
@@ -75,6 +81,15 @@ SYSTEM_EXEMPT: dict[str, str] = {
         "job first, so the engine never has one to cancel"
     ),
 }
+
+#: Checks of the data-plane ground truth made while real work remained, per machine class and kind of work
+#: (this process): "copy running" (a copy thread not finished), "copy unpolled" (finished, not reported),
+#: "tier job" (held by the tier), "any" (at least one of them), "given up" (work the spec gives up on: a
+#: stale or timed-out copy still unreported; not asserted, see :meth:`SystemStateMachine.data_plane_work`),
+#: "quarantined copy" (a timed-out job's copy not reported yet: the part of "given up" that issue 10 item 6
+#: turns into pending work).
+#: tests/conftest.py prints it at the end of the run.
+GROUND_TRUTH_CHECKS: Counter[tuple[str, str]] = Counter()
 
 _MAX_DRAIN_STEPS = 200
 _JOB_TERMINAL = load_machine("job").terminal
@@ -237,6 +252,16 @@ class SystemHarness(ABC):
     @abstractmethod
     def copies_in_flight(self) -> dict[int, set[int]]:
         """Job id -> ranks whose copy was submitted and not reported by a poll yet."""
+
+    def copies_running(self) -> dict[int, set[int]]:
+        """Job id -> ranks whose copy has not finished on the data plane (its future is not done): a subset of
+        :meth:`copies_in_flight`. Empty where copies are not run on threads."""
+        return {}
+
+    def data_plane_problems(self) -> list[str]:
+        """What the data plane's report-time checks found (a job reported finished whose destination does not
+        hold the copied bytes); empty where there are none."""
+        return []
 
     @abstractmethod
     def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]: ...
@@ -517,6 +542,13 @@ class SystemStateMachine(RuleBasedStateMachine):
             if outcome is None:
                 break
 
+    @precondition(lambda self: bool(self.h.copies_running()) and self.h.state is not EngineState.IDLE)
+    @rule(n=st.integers(4, 10))
+    def step_while_copying(self, n: int) -> None:
+        """Many engine steps while real copies are running on the data plane's threads (held inside the copy
+        path): every step plans, polls and settles around them, and the ground truth is checked after each."""
+        self.step(n)
+
     @covers("job.ack", "slot.commit_write")
     @precondition(lambda self: bool(self.h.held_copies()))
     @rule(data=st.data())
@@ -653,7 +685,9 @@ class SystemStateMachine(RuleBasedStateMachine):
         """Everything wrong with the system right now (empty when healthy)."""
         h = self.h
         s = h.scheduler
-        out = [str(v) for v in check_all(SystemView(s, h.state))]
+        # First what the data plane found at report time (the most specific: a report that lied about bytes).
+        out = h.data_plane_problems()
+        out.extend(str(v) for v in check_all(SystemView(s, h.state)))
         out.extend(self._violations)
 
         # has_pending_push_work() covers every transfer in flight or uncommitted.
@@ -749,8 +783,71 @@ class SystemStateMachine(RuleBasedStateMachine):
                 out.extend(h.slot_violations(key, sid, hashes))
         return out
 
+    def data_plane_work(self) -> list[str]:
+        """The transfers that remain, judged from the data plane alone: each backend's copies not finished or
+        not reported (its futures), and the tier's held transfers; never from the scheduler's or the tiering
+        manager's jobs. The spec gives up on stale jobs (below the stale threshold) and on timed-out ones
+        (quarantined): those are counted under "given up" and not returned."""
+        h = self.h
+        s = h.scheduler
+        name = type(self).__name__
+        threshold = s.stale_threshold
+        running = h.copies_running()
+        work: list[str] = []
+        given_up = 0
+        kinds: set[str] = set()
+        for job_id, ranks in sorted(h.copies_in_flight().items()):
+            if job_id < threshold or s.is_quarantined(job_id):
+                given_up += 1
+                if s.is_quarantined(job_id):
+                    kinds.add("quarantined copy")
+                continue
+            run = ranks & running.get(job_id, set())
+            kinds.add("copy running" if run else "copy unpolled")
+            work.append(f"copy of job {job_id} (running on ranks {sorted(run)}, unpolled on {sorted(ranks - run)})")
+        if h.tier is not None:
+            for job_id in h.tier.pending_job_ids():
+                if h.manager.transfer_in_flight(job_id):  # else timed out: given up on (quarantined)
+                    kinds.add("tier job")
+                    work.append(f"tier job {job_id} held by the tier")
+                else:
+                    given_up += 1
+        for kind in kinds:
+            GROUND_TRUTH_CHECKS[(name, kind)] += 1
+        if work:
+            GROUND_TRUTH_CHECKS[(name, "any")] += 1
+        if given_up:
+            GROUND_TRUTH_CHECKS[(name, "given up")] += 1
+        return work
+
+    def ground_truth_violations(self) -> list[str]:
+        """What the data plane says is wrong with the engine's answers right now."""
+        h = self.h
+        out: list[str] = []
+        if h.state is EngineState.STOPPED:
+            return out
+        work = self.data_plane_work()
+        if work:
+            if not h.scheduler.has_pending_push_work():
+                out.append(f"data plane: has_pending_push_work() is False while {', '.join(work[:4])}")
+            if not h.has_pending_push_work():
+                out.append(f"data plane: the engine's has_pending_push_work() is False while {', '.join(work[:4])}")
+            if h.state is EngineState.IDLE:
+                out.append(f"data plane: the engine is idle while {', '.join(work[:4])}")
+        return out
+
     def _check_now(self) -> None:
-        violations = self.system_violations()
+        violations = self.system_violations() + self.ground_truth_violations()
+        if violations:
+            raise AssertionError("; ".join(violations[:6]))
+
+    @invariant()
+    def pending_covers_data_plane(self) -> None:
+        """While the data plane holds a live transfer, the engine says work is pending and is not idle; every
+        report was honest about the bytes."""
+        if self._h is None:
+            return
+        violations = self.ground_truth_violations()
         if violations:
             raise AssertionError("; ".join(violations[:6]))
 
@@ -758,7 +855,9 @@ class SystemStateMachine(RuleBasedStateMachine):
     def check_system(self) -> None:
         type(self).steps_total += 1
         self._clock += 1
-        self._check_now()
+        violations = self.system_violations()
+        if violations:
+            raise AssertionError("; ".join(violations[:6]))
 
     @override
     def teardown(self) -> None:
