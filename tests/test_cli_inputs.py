@@ -12,8 +12,8 @@ import pytest
 
 from kvfsm.cli import main
 
-# A minimal valid trace: the header and one slot transition (a valid behaviour of the spec).
-_HEADER = {"kvfsm_trace": 1, "spec": {}, "clock": "perf_counter"}
+# A minimal valid trace: the header, a slot written and aborted, and the recorder's end line.
+_HEADER = {"kvfsm_trace": 2, "spec": {}, "clock": "perf_counter"}
 _RECORD = {
     "machine": "slot",
     "id": "00",
@@ -25,12 +25,14 @@ _RECORD = {
     "from": "absent",
     "to": "writing",
 }
+_ABORT = {**_RECORD, "seq": 1, "event": "abort_write", "from": "writing", "to": "absent"}
+_END = {"end": 2}
 
 #: name -> bytes, created in tmp_path as {d}/name
 FILES: dict[str, bytes] = {
     "empty.ndjson": b"",
     "header.ndjson": (json.dumps(_HEADER) + "\n").encode(),
-    "good.ndjson": (json.dumps(_HEADER) + "\n" + json.dumps(_RECORD) + "\n").encode(),
+    "good.ndjson": "".join(json.dumps(r) + "\n" for r in (_HEADER, _RECORD, _ABORT, _END)).encode(),
     "empty.jsonl": b"",
     "blank.jsonl": b"\n  \n",
     "emptylist.jsonl": b"[]\n",

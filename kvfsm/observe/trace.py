@@ -66,7 +66,7 @@ __all__ = [
     "verify_trace_file",
 ]
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: seq from 0 without gaps, an end line, job rank masks, load outcomes
 _MAX_KEPT = 200  # violations kept in a report (all are counted)
 
 
@@ -117,6 +117,8 @@ class TraceRecorder:
         self._handle: TracerHandle | None = None
         self._installed = False
         self._lock = threading.Lock()
+        # request id -> its latest load job model (this scope), to read the load's outcome at load_done
+        self._loads: dict[str, object] = {}
         self.records = 0
 
     # -- lifecycle --
@@ -149,6 +151,9 @@ class TraceRecorder:
         self._handle = None
         self._installed = False
         self._insts.clear()
+        self._loads.clear()
+        with self._lock:
+            self._write({"end": self._seq})  # the final stop: how many records precede it
         if self._stream is not None:
             self._stream.flush()
             if self._path is not None:
@@ -166,6 +171,7 @@ class TraceRecorder:
     def scope(self, name: str) -> None:
         """Start a new scope: later records belong to an independent system named ``name``."""
         with self._lock:
+            self._loads.clear()
             self._write({"scope": name})
 
     # -- the tracer --
@@ -200,6 +206,13 @@ class TraceRecorder:
             }
             self._seq += 1
             self._extra(machine, model, rec, first)
+            if machine == "job" and first and rec.get("kind") == "load" and isinstance(rec.get("req"), str):
+                self._loads[rec["req"]] = model
+            elif machine == "request" and source == "loading" and event in ("load_done", "reset"):
+                job = self._loads.pop(rec["id"], None)
+                if job is not None:
+                    state = getattr(job, "state", None)
+                    rec["load"] = str(getattr(state, "value", state))  # the load job's outcome, read from it
             self._write(rec)
             self.records += 1
             if dest in self._terminal.get(machine, ()) or (machine == "slot" and dest == self._initial["slot"]):
@@ -217,6 +230,8 @@ class TraceRecorder:
                 rec["keys"] = [k.hex() for k in get(model, "keys", ())]
             rec["pending"] = get(model, "pending", None)
             rec["failed"] = get(model, "failed_reports", None)
+            rec["launched"] = get(model, "launched_mask", None)
+            rec["reported"] = get(model, "reported_mask", None)
         elif machine == "slot":
             rec["readers"] = get(model, "readers", None)
         elif machine == "engine":
@@ -289,7 +304,11 @@ class _Model:
     world_size: int = 0
     keys: tuple[str, ...] = ()
     launches: int = 0
+    reports: int = 0  # ack / fail records from in_flight
+    launched: int | None = None  # rank masks of the latest record
+    reported: int | None = None
     pending: int | None = None
+    line: int = 0  # the model's latest record
     # slot
     readers: int = 0
 
@@ -329,6 +348,10 @@ class _Verifier:
         self.job_ids: dict[tuple[int, str, str], int] = {}  # (scope, namespace, id) -> inst
         self.committable: dict[int, Counter[str]] = {}  # scope -> keys of just-completed writers
         self.loading: dict[tuple[int, str], int] = {}  # (scope, key) -> load job inst
+        self.owed: dict[tuple[int, str], list[int]] = {}  # (scope, key) -> completed writers' insts not committed
+        self.last_load: dict[tuple[int, str], int] = {}  # (scope, request id) -> its latest load job inst
+        self.version: object = None
+        self.end_line = 0  # the recorder's end line, once seen
 
     def violation(self, line: int, rule: str, detail: str) -> None:
         self.report.num_violations += 1
@@ -341,6 +364,7 @@ class _Verifier:
         if self.header_seen or self.report.records:
             self.violation(line, "format", "a header after the first record")
         self.header_seen = True
+        self.version = obj.get("kvfsm_trace")
         if obj.get("kvfsm_trace") != TRACE_VERSION:
             self.violation(line, "format", f"trace version {obj.get('kvfsm_trace')!r}; expected {TRACE_VERSION}")
         spec = obj.get("spec")
@@ -356,9 +380,15 @@ class _Verifier:
         if "kvfsm_trace" in obj:
             self.header(line, obj)
             return
+        if self.end_line:
+            self.violation(line, "end", f"a line after the recorder's end line (line {self.end_line})")
         if "scope" in obj:
+            self.close_scope(line)
             self.scope += 1
             self.report.scopes = max(self.report.scopes, self.scope)
+            return
+        if "end" in obj and "seq" not in obj:
+            self.end(line, obj)
             return
         missing = [f for f in (*self._STR_FIELDS, "seq", "t", "inst") if f not in obj]
         if missing:
@@ -372,6 +402,9 @@ class _Verifier:
         seq, t = obj["seq"], float(obj["t"])
         if self.last_seq is not None and seq <= self.last_seq:
             self.violation(line, "format", f"seq {seq} after {self.last_seq}; expected increasing sequence numbers")
+        elif seq != (-1 if self.last_seq is None else self.last_seq) + 1:
+            want = 0 if self.last_seq is None else self.last_seq + 1
+            self.violation(line, "seq", f"seq {seq} where {want} was due: {seq - want} record(s) missing")
         if self.last_t is not None and t < self.last_t:
             self.violation(line, "format", f"time {t} after {self.last_t}; expected non-decreasing times")
         self.last_seq, self.last_t = seq, t
@@ -415,6 +448,56 @@ class _Verifier:
             )
         self.check(line, model, obj, label, event, src, dst)
         model.state = dst
+        model.line = line
+
+    def end(self, line: int, obj: dict[str, Any]) -> None:
+        """The recorder's final line: ``{"end": N}`` after N records."""
+        self.end_line = line
+        n = obj["end"]
+        due = 0 if self.last_seq is None else self.last_seq + 1
+        if not _is_int(n) or n != due or n != self.report.records:
+            self.violation(
+                line, "seq", f"end line says {n!r} records; the trace holds {self.report.records} (next seq {due})"
+            )
+        self.close_scope(line)
+
+    def finish(self, line: int) -> None:
+        if not self.end_line:
+            if self.version == TRACE_VERSION and self.report.records:
+                self.violation(line, "end", "the trace stops without the recorder's end line (truncated?)")
+            self.close_scope(line)
+
+    def close_scope(self, line: int) -> None:
+        """What must hold once a scope is over: every job ended, every completed store or promotion's slots
+        became readable, no slot is left mid-write or mid-read, an engine seen has stopped and then every
+        request of the scope was deleted."""
+        mine = [(inst, m) for inst, m in self.models.items() if m.scope == self.scope]
+        engine_stopped = any(m.machine == "engine" and m.state == "stopped" for _, m in mine)
+        for inst, m in mine:
+            label = f"{m.machine} {m.id!r} (inst {inst})"
+            if m.machine == "job" and m.state not in self.specs["job"].terminal:
+                self.violation(
+                    m.line, "job_terminates", f"{label}: {m.kind} job still {m.state} when its scope ends (line {line})"
+                )
+            elif m.machine == "slot" and m.state in ("writing", "reading"):
+                self.violation(m.line, "slot_settles", f"{label}: still {m.state} when its scope ends (line {line})")
+            elif m.machine == "engine" and m.state != "stopped":
+                self.violation(m.line, "engine_stops", f"{label}: {m.state} when its scope ends (line {line})")
+            elif m.machine == "request" and engine_stopped and m.state != "deleted":
+                self.violation(
+                    m.line, "request_deleted", f"{label}: {m.state} after the engine stopped (scope end, line {line})"
+                )
+        for (scope, key), writers in sorted(self.owed.items()):
+            if scope == self.scope:
+                for inst in writers:
+                    m = self.models[inst]
+                    self.violation(
+                        m.line,
+                        "store_becomes_readable",
+                        f"{m.kind} job {m.id!r} (inst {inst}) completed but its slot {key[:16]} never committed "
+                        f"(commit_write) before its scope ended (line {line})",
+                    )
+        self.owed = {k: v for k, v in self.owed.items() if k[0] != self.scope}
 
     # -- per machine --
 
@@ -443,6 +526,8 @@ class _Verifier:
                 kinds = sorted([j.kind for j in mine] + [m.kind])
                 self.violation(line, "one_load_per_request", f"{label}: request {m.req!r} has live jobs {kinds}")
         if m.kind == "load":
+            if m.req:
+                self.last_load[(m.scope, m.req)] = inst
             for key in m.keys:
                 other = self.loading.get((m.scope, key))
                 if other is not None:
@@ -460,10 +545,56 @@ class _Verifier:
         elif m.machine == "engine":
             self.check_engine(line, m, obj, label, event, dst)
         elif m.machine == "request":
-            self.check_request(line, m, label, event, src)
+            self.check_request(line, m, obj, label, event, src)
+
+    def check_ranks(
+        self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str, dst: str
+    ) -> None:
+        """The rank masks (read before the transition) against the launches and reports replayed so far;
+        the report that ends a job (ack or fail to a terminal state) must be the W-th."""
+        launched, reported, pending = obj.get("launched"), obj.get("reported"), obj.get("pending")
+        if _is_int(launched) and _is_int(reported):
+            if launched.bit_count() != m.launches or reported.bit_count() != m.reports:
+                self.violation(
+                    line,
+                    "ack_count",
+                    f"{label}: {launched.bit_count()} rank(s) launched and {reported.bit_count()} reported; the "
+                    f"trace shows {m.launches} launch(es) and {m.reports} report(s)",
+                )
+            if (
+                reported & ~launched
+                or (m.launched is not None and m.launched & ~launched)
+                or (m.reported is not None and m.reported & ~reported)
+            ):
+                self.violation(line, "ack_count", f"{label}: rank masks launched={launched} reported={reported} "
+                               f"after launched={m.launched} reported={m.reported}")  # fmt: skip
+            if m.world_size and _is_int(pending) and pending != m.world_size - reported.bit_count():
+                self.violation(
+                    line,
+                    "ack_count",
+                    f"{label}: pending={pending} but W={m.world_size} and {reported.bit_count()} rank(s) reported",
+                )
+            m.launched, m.reported = launched, reported
+        elif self.version == TRACE_VERSION:
+            self.violation(line, "format", f"{label}: a job record without its rank masks (launched, reported)")
+        if src == "in_flight" and event in ("ack", "fail"):
+            closing = dst in self.specs["job"].terminal
+            if m.world_size and closing and (m.reports != m.world_size - 1 or (_is_int(pending) and pending != 1)):
+                self.violation(
+                    line,
+                    "ack_count",
+                    f"{label}: {event} to {dst} is report #{m.reports + 1} (pending={pending}); "
+                    f"W={m.world_size}: the closing report must be the W-th",
+                )
+            if m.world_size and not closing and m.reports + 1 >= m.world_size:
+                self.violation(
+                    line, "ack_count", f"{label}: report #{m.reports + 1} of W={m.world_size} leaves the job in flight"
+                )
+            m.reports += 1
 
     def check_job(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str, dst: str) -> None:
         pending, failed = obj.get("pending"), obj.get("failed")
+        self.check_ranks(line, m, obj, label, event, src, dst)
         if _is_int(pending):
             if m.pending is None and m.world_size and pending != m.world_size:
                 self.violation(line, "guard", f"{label}: first seen with pending={pending}; expected W={m.world_size}")
@@ -485,6 +616,8 @@ class _Verifier:
                 )
             if m.kind in ("store", "promote"):
                 self.committable.setdefault(m.scope, Counter()).update(m.keys)
+                for key in m.keys:
+                    self.owed.setdefault((m.scope, key), []).append(obj["inst"])
         if event == "ack" and dst == "failed" and _is_int(failed) and failed == 0:
             self.violation(line, "guard", f"{label}: ack to failed without a failure report (last_ack_after_failure)")
         specs = self.specs["job"]
@@ -510,6 +643,9 @@ class _Verifier:
         elif dst == "absent":
             m.readers = 0
         if event == "commit_write":
+            writers = self.owed.get((m.scope, m.id))
+            if writers:
+                writers.pop(0)
             pool = self.committable.setdefault(m.scope, Counter())
             if pool[m.id] > 0:
                 pool[m.id] -= 1
@@ -538,7 +674,9 @@ class _Verifier:
                     f"in {first.state})",
                 )
 
-    def check_request(self, line: int, m: _Model, label: str, event: str, src: str) -> None:
+    def check_request(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str) -> None:
+        if src == "loading" and event in ("load_done", "reset"):
+            self.check_load_outcome(line, m, obj, label, event)
         guarded = event == "delete" or (event in ("schedule", "start_load") and src != "loading")
         if not guarded:
             return
@@ -551,6 +689,29 @@ class _Verifier:
                 f"{label}: {event} with {len(mine)} live job(s) (no_jobs), e.g. {mine[0].kind} {mine[0].id}",
             )
 
+    def check_load_outcome(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str) -> None:
+        """A request leaves ``loading`` only once its load job has ended, and the outcome the recorder read
+        from that job at this moment (``load``) is the job's recorded final state: a request runs as if
+        loaded exactly when its load committed."""
+        inst = self.last_load.get((m.scope, m.id))
+        outcome = obj.get("load")
+        if inst is None:
+            if event == "load_done":
+                self.violation(line, "load_outcome", f"{label}: load_done without a load job of the request")
+            return
+        job = self.models[inst]
+        if job.state not in self.specs["job"].terminal:
+            self.violation(line, "load_outcome", f"{label}: {event} while its load job {job.id} is {job.state}")
+        elif outcome is None and self.version == TRACE_VERSION:
+            self.violation(line, "load_outcome", f"{label}: {event} without the load's outcome")
+        elif outcome is not None and outcome != job.state:
+            self.violation(
+                line,
+                "load_outcome",
+                f"{label}: {event} after a load that ended {outcome!r}; the trace has load job {job.id} {job.state!r}",
+            )
+        del self.last_load[(m.scope, m.id)]
+
 
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -560,11 +721,14 @@ def verify_trace(lines: Iterable[str]) -> TraceReport:
     """Check a recorded trace (its lines) against the spec; never raises on bad content."""
     report = TraceReport()
     verifier = _Verifier(report)
+    last = 0
     for lineno, obj, error in read_trace(lines):
+        last = lineno
         if obj is None:
             verifier.violation(lineno, "format", error)
             continue
         verifier.record(lineno, obj)
+    verifier.finish(last)
     if not verifier.header_seen:
         report.notes.append("no header line: the spec version the trace was recorded against is unknown")
     return report
