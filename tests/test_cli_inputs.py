@@ -26,7 +26,7 @@ _RECORD = {
     "to": "writing",
 }
 _ABORT = {**_RECORD, "seq": 1, "event": "abort_write", "from": "writing", "to": "absent"}
-_END = {"end": 2}
+_END = {"end": 2, "scopes": 0}
 
 #: name -> bytes, created in tmp_path as {d}/name
 FILES: dict[str, bytes] = {

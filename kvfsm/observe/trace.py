@@ -3,36 +3,56 @@
 Recording: :class:`TraceRecorder` installs itself as the process-wide transition tracer
 (:func:`kvfsm.machines.compiled.add_tracer`, beside any other tracer) and writes one JSON object per line::
 
-    {"kvfsm_trace": 1, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
+    {"kvfsm_trace": 2, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
     {"scope": "workload"}                                                                  <- optional
     {"seq": 0, "t": 0.000123, "machine": "job", "id": "7", "inst": 3, "event": "launch",
      "from": "submitted", "to": "in_flight", "kind": "store", "req": "u0-t0", "W": 2,
-     "keys": ["ab12..."], "pending": 2, "failed": 0}
+     "keys": ["ab12..."], "pending": 2, "failed": 0, "launched": 0, "reported": 0}
+    {"seq": 9, ..., "machine": "request", "id": "u0-t0", "event": "load_done", "from": "loading",
+     "to": "running", "load": "complete"}
+    {"end": 40, "scopes": 1}                                   <- the final stop: records and scope lines
 
 ``id`` is the model's own name (job id, request id, slot key in hex, ``engine``); ``inst`` numbers model
 objects, so two schedulers' job 0 are told apart. Per machine a few fields of the model are added, read
 when the transition fires (before the caller updates its counters): a job's kind, request, world size
-and keys (first record only), its pending count and failure reports; a slot's readers; the engine's
-``has_pending_push_work()``. ``scope`` lines separate independent systems recorded one after another
+and keys (first record only), its pending count, failure reports and rank masks (``launched``,
+``reported``: bit r set for rank r); a slot's readers; the engine's ``has_pending_push_work()``; on a
+request leaving ``loading``, the state of its load job read from the job (``load``). ``seq`` counts
+from 0 without gaps; :meth:`TraceRecorder.stop` writes the end line. Format 2 (this one) added the rank
+masks, ``load`` and the end line; a version 1 trace is rejected (record it again). ``scope`` lines
+separate independent systems recorded one after another
 (cross-model checks never mix scopes).
 
 Verification (:func:`verify_trace`, ``kvfsm check --trace FILE``) replays the records against the spec
 tables and reports every violation with its line number:
 
-- format: every line is a JSON object with the fields above, names the spec knows, increasing ``seq``;
+- format: every line is a JSON object with the fields above, names the spec knows; ``seq`` is 0, 1, 2, ...
+  with no gap (a missing record is found wherever it was), and the end line's record and scope-line
+  counts match (a missing last line, end line or scope line is found); nothing follows the end line;
 - per model: the first record starts in the machine's initial state, each record's ``from`` is the
   previous record's ``to``, and ``(from, event, to)`` is a transition of the spec (so nothing follows a
   terminal state);
 - guards the trace can decide: a job starts with ``pending == W``, its pending count never grows, it is
   launched at most W times and commits only after all W launches with no failure report (``ack`` to
-  ``failed`` only after one); a slot's readers (rebuilt from ``begin_read``/``end_read``) match
+  ``failed`` only after one); ack counts: each record's rank masks count exactly the launches and
+  reports (``ack``/``fail`` from ``in_flight``) replayed before it, only grow, ``reported`` within
+  ``launched``, ``pending == W - |reported|``, and the report that ends a job is the W-th (``pending == 1``)
+  while an earlier one leaves it in flight; a slot's readers (rebuilt from ``begin_read``/``end_read``) match
   ``other_readers_remain`` / ``last_reader``; the engine settles to ``draining`` only with pending push
   work and to ``idle`` or ``stopped`` only without;
 - invariants the trace can decide (spec/invariants.toml): ``idle_only_when_nothing_pending`` and
   ``pending_work_covers_jobs`` (no job of the scope is live when the engine goes idle);
   ``readable_only_after_commit`` (a slot commits only for a key of a store or promotion that has just
   completed); ``one_load_per_request`` and the request machine's ``no_jobs`` guard; ``single_loader_per_chunk``;
-  ``complete_exactly_once`` (one terminal state per job, job ids never reused in a scope).
+  ``complete_exactly_once`` (one terminal state per job, job ids never reused in a scope);
+- load outcomes: a request leaves ``loading`` (``load_done``, or ``reset``) only after its load job has
+  ended, and the outcome it carries is that job's recorded final state, so a request runs as if loaded
+  exactly when its load committed (a load whose final state was changed, or a request that saw another
+  outcome, is rejected);
+- at the end of each scope (the next scope line, the end line, or the end of the file): every job is in
+  a terminal state; every key of a store or promotion that completed was committed (``commit_write``,
+  its slot readable) after it; no slot is left ``writing`` or ``reading``; an engine seen is
+  ``stopped``, and then every request seen is ``deleted``.
 """
 
 from __future__ import annotations
@@ -109,6 +129,7 @@ class TraceRecorder:
         self._clock = clock
         self._t0 = 0.0
         self._seq = 0
+        self._scopes = 0
         self._next_inst = 0
         # id(model) -> (inst, model): the strong reference keeps id() from being reused while tracked.
         self._insts: dict[int, tuple[int, object]] = {}
@@ -153,7 +174,7 @@ class TraceRecorder:
         self._insts.clear()
         self._loads.clear()
         with self._lock:
-            self._write({"end": self._seq})  # the final stop: how many records precede it
+            self._write({"end": self._seq, "scopes": self._scopes})  # the final stop: what precedes it
         if self._stream is not None:
             self._stream.flush()
             if self._path is not None:
@@ -172,6 +193,7 @@ class TraceRecorder:
         """Start a new scope: later records belong to an independent system named ``name``."""
         with self._lock:
             self._loads.clear()
+            self._scopes += 1
             self._write({"scope": name})
 
     # -- the tracer --
@@ -451,9 +473,11 @@ class _Verifier:
         model.line = line
 
     def end(self, line: int, obj: dict[str, Any]) -> None:
-        """The recorder's final line: ``{"end": N}`` after N records."""
+        """The recorder's final line: ``{"end": N, "scopes": S}`` after N records in S scope lines."""
         self.end_line = line
-        n = obj["end"]
+        n, scopes = obj["end"], obj.get("scopes")
+        if scopes != self.scope:
+            self.violation(line, "end", f"end line says {scopes!r} scope lines; the trace holds {self.scope}")
         due = 0 if self.last_seq is None else self.last_seq + 1
         if not _is_int(n) or n != due or n != self.report.records:
             self.violation(
