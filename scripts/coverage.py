@@ -7,6 +7,11 @@ state of the system after every step, and prints ``coverage: X% of N reachable a
 
 Usage: ``python scripts/coverage.py [--profile ci|dev|nightly] [--machine control|engine|both]
 [--examples N] [--steps N] [--missing] [checker bounds: --requests N ...]``.
+
+Measured at the default bounds (591 reachable abstract states), ci profile: control 20.6%, engine 11.7%,
+both 22.0%. Ten times the control examples (``--examples 9000``) gives only 34.9%: of the 385 states still
+never visited, 287 hold a job that some but not all ranks have reported, so the lever is rules (one-rank
+acks and fails, lookups apart from steps, runs seeded from the checker's paths), not more examples.
 """
 
 from __future__ import annotations
