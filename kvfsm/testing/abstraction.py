@@ -8,18 +8,38 @@ worker failed), the states of the held CPU slots, and the number of tier transfe
 the two do not share (token counts, GPU block ids, prefix caching, job and request identities) is left out,
 so the share of the checker's reachable projections that a Hypothesis run visits measures how much of the
 protocol it covers.
+
+:func:`measure_coverage` computes that share (``python scripts/coverage.py`` prints it): every reachable
+state of the checker at some bounds, projected, against the projections a stateful machine visits after
+every step of a derandomized Hypothesis run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
-from kvfsm.check.model import ABSENT, WRITING, State
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvfsm.check.bfs import explore
+from kvfsm.check.model import ABSENT, WRITING, Bounds, State
 from kvfsm.control.types import OffloadKey
 from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
-from kvfsm.testing.system import SystemHarness
+from kvfsm.testing.system import SystemHarness, SystemStateMachine
 
-__all__ = ["ProtocolState", "project_model_state", "project_system"]
+__all__ = [
+    "CI_RUNS",
+    "PROFILES",
+    "Coverage",
+    "ProtocolState",
+    "measure_coverage",
+    "project_model_state",
+    "project_system",
+    "reachable_projections",
+    "visited_projections",
+]
 
 #: (engine, request phases, jobs, held slot states, tier transfers in flight); multisets as sorted tuples.
 ProtocolState = tuple[str, tuple[str, ...], tuple[tuple[str, str, int, int, bool], ...], tuple[str, ...], int]
@@ -71,3 +91,103 @@ def project_system(h: SystemHarness, request_ids: Iterable[str], keys: Iterable[
     )
     tier = h.manager.num_transfer_jobs
     return (h.state.value, phases, jobs, slots, tier)
+
+
+# ---------------------------------------------------------------------------------------------- coverage
+
+#: The Hypothesis profiles of tests/conftest.py: name -> max_examples (tests/test_coverage_command.py
+#: checks they agree).
+PROFILES: dict[str, int] = {"ci": 60, "dev": 100, "nightly": 2000}
+#: How tests/test_stateful.py runs each machine: (stateful_step_count, scale of the profile's max_examples).
+CI_RUNS: dict[str, tuple[int, float]] = {"control": (50, 15.0), "engine": (40, 8.0)}
+
+
+def reachable_projections(bounds: Bounds | None = None) -> set[ProtocolState]:
+    """The projections of every state the model checker reaches at ``bounds`` (default: the defaults)."""
+    result = explore(bounds, stop_at_first=False, keep_graph=True, check_liveness=False)
+    assert result.graph is not None
+    return {project_model_state(s) for s in result.graph.states}
+
+
+def visited_projections(
+    machine: type[SystemStateMachine], max_examples: int, steps: int, seen: set[ProtocolState] | None = None
+) -> set[ProtocolState]:
+    """The projections of the system ``machine`` drives, recorded after every step (initialisation
+    included) of a derandomized run of ``max_examples`` examples of at most ``steps`` steps."""
+    out: set[ProtocolState] = set() if seen is None else seen
+
+    class Recording(machine):  # type: ignore[valid-type,misc]
+        def check_invariants(self, *args: Any, **kwargs: Any) -> None:
+            super().check_invariants(*args, **kwargs)
+            if self._h is not None:
+                out.add(project_system(self._h, [r.req_id for r in self._requests], self._chunks()))
+
+    Recording.__name__ = machine.__name__
+    cfg = settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+        report_multiple_bugs=False,
+    )
+    run_state_machine_as_test(Recording, settings=cfg)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """The reachable projections, the visited ones, and the share of the first the second covers."""
+
+    reachable: frozenset[ProtocolState]
+    visited: frozenset[ProtocolState]
+
+    @property
+    def covered(self) -> frozenset[ProtocolState]:
+        return self.reachable & self.visited
+
+    @property
+    def outside(self) -> frozenset[ProtocolState]:
+        """Visited projections the checker does not reach (the implementation is larger than the bounds)."""
+        return self.visited - self.reachable
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * len(self.covered) / len(self.reachable) if self.reachable else 100.0
+
+    def line(self) -> str:
+        return f"coverage: {self.percent:.1f}% of {len(self.reachable)} reachable abstract states"
+
+
+def machine_class(name: str) -> type[SystemStateMachine]:
+    """``"control"`` or ``"engine"`` (needs torch)."""
+    if name == "control":
+        from kvfsm.testing.control import ControlPlaneStateMachine
+
+        return ControlPlaneStateMachine
+    if name == "engine":
+        from kvfsm.testing.engine import EngineStateMachine
+
+        return EngineStateMachine
+    raise ValueError(f"unknown machine {name!r}; expected control or engine")
+
+
+def measure_coverage(
+    machines: Iterable[str],
+    profile: str = "ci",
+    bounds: Bounds | None = None,
+    *,
+    examples: int | None = None,
+    steps: int | None = None,
+) -> Coverage:
+    """The share of the reachable projections at ``bounds`` that ``machines`` visit, each run as
+    tests/test_stateful.py runs it under ``profile`` (``examples`` / ``steps`` override the run's size)."""
+    reachable = reachable_projections(bounds)
+    visited: set[ProtocolState] = set()
+    for name in machines:
+        default_steps, scale = CI_RUNS[name]
+        n = examples if examples is not None else max(1, int(PROFILES[profile] * scale))
+        visited_projections(machine_class(name), n, steps if steps is not None else default_steps, visited)
+    return Coverage(frozenset(reachable), frozenset(visited))
