@@ -120,20 +120,24 @@ def _turn_markers(records: list[StepRecord]) -> list[tuple[int, str]]:
     return marks
 
 
+#: The demo's engine: W=2, chunks of two blocks, a CPU tier small enough to show evictions.
+DEMO_CONFIG = EngineConfig(
+    num_layers=4,
+    num_heads=4,
+    head_dim=16,
+    tokens_per_block=16,
+    blocks_per_chunk=2,
+    num_gpu_blocks=40,
+    num_cpu_slots=16,
+    world_size=2,
+)
+
+
 def _run_demo(quick: bool, recorder: TraceRecorder | None, plot: str | Path | None) -> bool:
     print("kvfsm demo: multi-turn prefix reuse through the reference engine (real torch copies)\n")
     if recorder is not None:
         recorder.scope("workload")
-    cfg = EngineConfig(
-        num_layers=4,
-        num_heads=4,
-        head_dim=16,
-        tokens_per_block=16,
-        blocks_per_chunk=2,
-        num_gpu_blocks=40,
-        num_cpu_slots=16,
-        world_size=2,
-    )
+    cfg = DEMO_CONFIG
     t0 = time.perf_counter()
     engine, states = run_workload(cfg, users=3 if quick else 4, turns=2 if quick else 3)
     elapsed = time.perf_counter() - t0

@@ -21,24 +21,12 @@ pytest.importorskip("torch")
 from helpers import engine_config, gated_engine
 from test_trace import drain
 
-from kvfsm.demo import run_workload
-from kvfsm.engine.core import EngineConfig
+from kvfsm.demo import DEMO_CONFIG, run_workload
 from kvfsm.machines.loader import load_machine
 from kvfsm.observe.trace import TraceRecorder, TraceReport, verify_trace
 
 Record = dict[str, Any]
 Tamper = Callable[[list[Record], random.Random], Iterator[tuple[str, list[Record]]]]
-
-_DEMO = EngineConfig(
-    num_layers=4,
-    num_heads=4,
-    head_dim=16,
-    tokens_per_block=16,
-    blocks_per_chunk=2,
-    num_gpu_blocks=40,
-    num_cpu_slots=16,
-    world_size=2,
-)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +34,7 @@ def trace() -> list[Record]:
     sink = io.StringIO()
     with TraceRecorder(sink) as rec:
         rec.scope("workload")
-        run_workload(_DEMO, users=3, turns=3)
+        run_workload(DEMO_CONFIG, users=3, turns=3)
         rec.scope("drain")
         with gated_engine(engine_config(world_size=2)) as ge:
             drain(ge)

@@ -199,23 +199,19 @@ class KvfsmMetrics:
         self._timed_out_at: dict[int, tuple[object, float]] = {}
         self._copy_warned: set[int] = set()  # ids of quarantined copies already warned about
         self.stuck_copies_total: Counter[str] = Counter()  # kind -> stuck-copy warnings
-        self._handle: TracerHandle | None = None
-        self._installed = False
+        self._handle: TracerHandle | None = None  # set while installed
 
     # ------------------------------------------------------------------ install
 
     def install(self) -> KvfsmMetrics:
-        if not self._installed:
+        if self._handle is None:
             self._handle = add_tracer(self)
-            self._installed = True
         return self
 
     def uninstall(self) -> None:
-        if self._installed:
-            if self._handle is not None:
-                remove_tracer(self._handle)
+        if self._handle is not None:
+            remove_tracer(self._handle)
             self._handle = None
-            self._installed = False
 
     def __enter__(self) -> KvfsmMetrics:
         return self.install()

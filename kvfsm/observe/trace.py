@@ -135,8 +135,7 @@ class TraceRecorder:
         self._insts: dict[int, tuple[int, object]] = {}
         self._terminal: dict[str, frozenset[str]] = {}
         self._initial: dict[str, str] = {}
-        self._handle: TracerHandle | None = None
-        self._installed = False
+        self._handle: TracerHandle | None = None  # set while started
         self._lock = threading.Lock()
         # request id -> its latest load job model (this scope), to read the load's outcome at load_done
         self._loads: dict[str, object] = {}
@@ -145,7 +144,7 @@ class TraceRecorder:
     # -- lifecycle --
 
     def start(self) -> TraceRecorder:
-        if self._installed:
+        if self._handle is not None:
             raise TraceError("the trace recorder is already started; expected one start per recording")
         for name in MACHINE_NAMES:
             spec = load_machine(name)
@@ -161,16 +160,13 @@ class TraceRecorder:
         }
         self._write(header)
         self._handle = add_tracer(self)
-        self._installed = True
         return self
 
     def stop(self) -> None:
-        if not self._installed:
+        if self._handle is None:
             return
-        if self._handle is not None:
-            remove_tracer(self._handle)
+        remove_tracer(self._handle)
         self._handle = None
-        self._installed = False
         self._insts.clear()
         self._loads.clear()
         with self._lock:

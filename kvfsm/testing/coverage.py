@@ -158,14 +158,13 @@ class TransitionLog:
     ``on_transition`` callbacks see each transition with its model.
     """
 
-    __slots__ = ("_handle", "_installed", "counts", "edges", "on_transition")
+    __slots__ = ("_handle", "counts", "edges", "on_transition")
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.edges: set[tuple[str, str, str, str]] = set()
         self.on_transition: list[Callable[[str, object, str, str, str], None]] = []
-        self._handle: TracerHandle | None = None
-        self._installed = False
+        self._handle: TracerHandle | None = None  # set while installed
 
     def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
         self.counts[(machine, event)] += 1
@@ -174,17 +173,14 @@ class TransitionLog:
             callback(machine, model, event, source, dest)
 
     def install(self) -> TransitionLog:
-        if not self._installed:
+        if self._handle is None:
             self._handle = add_tracer(self)
-            self._installed = True
         return self
 
     def uninstall(self) -> None:
-        if self._installed:
-            if self._handle is not None:
-                remove_tracer(self._handle)
+        if self._handle is not None:
+            remove_tracer(self._handle)
             self._handle = None
-            self._installed = False
 
     def __enter__(self) -> TransitionLog:
         return self.install()
