@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -211,8 +211,8 @@ class _EarlyReportingFsTier(FileSystemTier):
     """Reports every cascade done as soon as it is submitted, before its file is written (the real
     result, when it comes, is dropped)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._early: set[int] = set()
         self._due: list[JobResult] = []
 
@@ -277,8 +277,8 @@ class _WrongBytesTier(InMemoryTier):
 class _ReportsTwiceTier(InMemoryTier):
     """Reports every finished job a second time at the next poll."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._again: list[JobResult] = []
 
     @override

@@ -56,7 +56,7 @@ def test_held_copy_backend_runs_a_copy_only_when_told() -> None:
         backend.complete(3)
 
 
-def test_a_deferred_lookup_with_no_free_gpu_block_ends_the_waiting_scan() -> None:
+def test_a_deferred_lookup_with_no_free_gpu_block_ends_the_waiting_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop stops asking the connector about waiting requests once the GPU pool is empty."""
     engine = TagEngine(SystemConfig(num_gpu_blocks=4), ManualClock())
     asked: list[str] = []
@@ -65,7 +65,7 @@ def test_a_deferred_lookup_with_no_free_gpu_block_ends_the_waiting_scan() -> Non
         asked.append(request.req_id)
         return None, False
 
-    engine.scheduler.get_num_new_matched_tokens = deferred  # type: ignore[method-assign]
+    monkeypatch.setattr(engine.scheduler, "get_num_new_matched_tokens", deferred)
     assert engine.block_pool.allocate(4) is not None  # every GPU block is taken
     for name in "abc":
         engine.add_request(engine.make_request(name, list(range(9)), 1))

@@ -116,13 +116,14 @@ def visited_projections(
     included) of a derandomized run of ``max_examples`` examples of at most ``steps`` steps."""
     out: set[ProtocolState] = set() if seen is None else seen
 
-    class Recording(machine):  # type: ignore[valid-type,misc]
-        def check_invariants(self, *args: Any, **kwargs: Any) -> None:
-            super().check_invariants(*args, **kwargs)
-            if self._h is not None:
-                out.add(project_system(self._h, [r.req_id for r in self._requests], self._chunks()))
+    def check_invariants(self: SystemStateMachine, *args: Any, **kwargs: Any) -> None:
+        machine.check_invariants(self, *args, **kwargs)
+        if self.configured:
+            request_ids, keys = self.observed()
+            out.add(project_system(self.h, request_ids, keys))
 
-    Recording.__name__ = machine.__name__
+    # Hypothesis checks the invariants after every step: a subclass that records there sees each state.
+    recording = type(machine.__name__, (machine,), {"check_invariants": check_invariants})
     cfg = settings(
         max_examples=max_examples,
         stateful_step_count=steps,
@@ -133,7 +134,7 @@ def visited_projections(
         phases=[Phase.explicit, Phase.generate],
         report_multiple_bugs=False,
     )
-    run_state_machine_as_test(Recording, settings=cfg)
+    run_state_machine_as_test(recording, settings=cfg)
     return out
 
 
