@@ -127,3 +127,15 @@ def test_the_top_level_holds_only_entry_points_and_the_error_hierarchy() -> None
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 6, top
     assert set(top) <= {"__init__.py", "__main__.py", "cli.py", "demo.py", "errors.py", "validation.py"}, top
+
+
+#: Optional extras and the only modules that may import them, so ``import kvfsm`` never needs them
+#: (``redis``: the ``kvfsm[redis]`` extra; its tier, and the benchmark that compares against raw redis-py).
+OPTIONAL_LIBS: dict[str, set[str]] = {"redis": {"kvfsm.tiers.redis", "kvfsm.bench.redis"}}
+
+
+@pytest.mark.parametrize("module,imports", _modules(), ids=lambda v: v if isinstance(v, str) else "")
+def test_optional_extras_are_imported_only_by_their_own_modules(module: str, imports: list[str]) -> None:
+    for lib, owners in OPTIONAL_LIBS.items():
+        if any(name.split(".")[0] == lib for name in imports):
+            assert module in owners, f"{module} imports {lib}; only {sorted(owners)} may (an optional extra)"
