@@ -19,7 +19,7 @@ from typing_extensions import override
 
 __all__ = ["OneLineParser", "build_parser", "int_in", "main", "plain_doc"]
 
-_SECTIONS = ("drain", "control", "lifecycle", "transfers", "verification")
+_SECTIONS = ("drain", "control", "lifecycle", "transfers", "verification", "redis")
 #: The largest ``kvfsm bench --jobs`` / ``--repeats`` accepted (the defaults are 2000 and 5).
 MAX_BENCH_JOBS = 1_000_000
 MAX_BENCH_REPEATS = 1_000
@@ -30,6 +30,7 @@ _EXTRAS = {
     "torch": "pip install 'kvfsm[torch]'",
     "numpy": "pip install 'kvfsm[torch]'",
     "matplotlib": "pip install 'kvfsm[plot]'",
+    "redis": "pip install 'kvfsm[redis]'",
 }
 
 
@@ -109,6 +110,10 @@ def _cmd_spec(_: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvfsm.demo import run_demo
 
+    if args.shared is not None:
+        from kvfsm.demo import run_shared_demo
+
+        return run_shared_demo(args.shared, cluster=args.cluster)
     return run_demo(quick=args.quick, trace=args.trace, plot=args.plot)
 
 
@@ -196,6 +201,13 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--plot", metavar="FILE", help="draw the engine-state timeline as a PNG (needs pip install 'kvfsm[plot]')"
     )
+    p.add_argument(
+        "--shared",
+        metavar="URL",
+        help="instead: two engine processes share one Redis server (redis://host:port); prints the blocks and "
+        "bytes the second reused from the first (needs pip install 'kvfsm[redis]')",
+    )
+    p.add_argument("--cluster", action="store_true", help="with --shared: the URL is a Redis Cluster node")
     p.set_defaults(func=_cmd_demo)
 
     p = add("bench", "drain, control-plane, lifecycle, transfer and verification benchmarks", "kvfsm.bench.suite")

@@ -41,7 +41,15 @@ from kvfsm.validation import require_output_file
 if TYPE_CHECKING:
     from kvfsm.observe.trace import TraceRecorder
 
-__all__ = ["DrainResult", "compress_timeline", "describe_drain_steps", "measure_drain", "run_demo", "run_workload"]
+__all__ = [
+    "DrainResult",
+    "compress_timeline",
+    "describe_drain_steps",
+    "measure_drain",
+    "run_demo",
+    "run_shared_demo",
+    "run_workload",
+]
 
 
 def _check(engine: ReferenceEngine) -> None:
@@ -230,3 +238,45 @@ def describe_drain_steps(records: Sequence[StepRecord]) -> str:
         what.append(f"{rec.jobs_in_flight} job{'s' * (rec.jobs_in_flight != 1)} in flight")
         parts.append(f"{rec.step} {rec.state.value} ({', '.join(what)})")
     return " -> ".join(parts)
+
+
+def run_shared_demo(url: str, *, cluster: bool = False) -> int:
+    """``kvfsm demo --shared URL``: engine A, then engine B, in two processes of their own, configured
+    alike, on one Redis server (or cluster). B finds A's prefixes on the server, loads them (verified
+    byte for byte) and computes none of them. Prints what B reused."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        from kvfsm.errors import ConfigError
+
+        raise ConfigError(f"--shared {url!r}; expected a redis://host:port URL")
+    from kvfsm.bench.redis import SHARED_CONFIG, run_shared
+
+    print(f"kvfsm demo --shared: two engine processes, one Redis server at {url}\n")
+    result = run_shared(url, cluster=cluster)
+    a, b = result.a, result.b
+    bpc = SHARED_CONFIG.blocks_per_chunk
+    for r in (a, b):
+        print(
+            f"  engine {r.role.upper()} (pid {r.pid}): computed {r.prefix_blocks_computed}/{r.prefix_blocks} "
+            f"shared-prefix blocks, wrote {r.chunks_written_to_server * bpc} blocks "
+            f"({r.bytes_written_to_server:,} bytes) to the server, loaded {r.chunks_loaded_from_server * bpc} "
+            f"blocks ({r.bytes_loaded_from_server:,} bytes); {r.blocks_verified} loaded parts verified, "
+            f"{r.mismatches} mismatches; idle at the end: {r.idle}"
+        )
+    same = sorted(set(a.chunk_digests) & set(b.chunk_digests))
+    identical = sum(a.chunk_digests[k] == b.chunk_digests[k] for k in same)
+    print(
+        f"\nblocks reused across instances: {result.blocks_reused} ({b.bytes_loaded_from_server:,} bytes); "
+        f"B's shared-prefix hit rate {result.hit_rate:.0%}; {identical}/{len(same)} chunks held by both "
+        "byte-identical"
+    )
+    ok = (
+        b.prefix_blocks_computed == 0
+        and result.blocks_reused > 0
+        and a.mismatches == 0
+        and b.mismatches == 0
+        and identical == len(same)
+        and a.idle
+        and b.idle
+    )
+    print("\nresult:", "OK" if ok else "FAILED")
+    return 0 if ok else 1

@@ -238,7 +238,7 @@ def test_cascade_then_promotion_round_trips_the_bytes_in_one_pipelined_batch_eac
         assert not rig.tier.has_pending_work()
         rig.evict_all()  # the CPU copies go; the server keeps the values
         # A fresh tier on the same server knows nothing: lookups RETRY until EXISTS returns, then HIT.
-        tier2 = RedisTier(redis_server.url, rig.tier.namespace)
+        tier2 = RedisTier(redis_server.url, rig.tier.namespace, read_threads=0)  # one thread: one batch
         rig2 = Rig(tier2)
         try:
             answers = [rig2.tm.lookup(key, R1) for key in keys]

@@ -14,6 +14,10 @@ Sections (``--only`` picks some):
    ``has_pending_push_work()`` with 10 and 100k jobs in flight.
 4. ``transfers`` - the data plane's table (:mod:`kvfsm.bench.transfers`, when it is installed).
 5. ``verification`` - model-checker states/s and Hypothesis stateful steps/s (:mod:`kvfsm.bench.verify`).
+6. ``redis`` - the Redis tier on a local redis-server it starts (:mod:`kvfsm.bench.redis`): write and read
+   GB/s against ``redis-benchmark`` for the same value size, pipelined against one chunk per round trip
+   and against the file-system tier, promotion latency percentiles, and the cross-instance hit rate of
+   two engine processes sharing a prefix workload. Skipped (reported) without redis-server or redis-py.
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -58,7 +62,7 @@ __all__ = [
     "run_bench",
 ]
 
-SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification")
+SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification", "redis")
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -565,12 +569,31 @@ def _section_verification(opts: _Options, report: BenchReport) -> str:
     return "(5) verification throughput\n" + table
 
 
+def _section_redis(opts: _Options, report: BenchReport) -> str:
+    head = "(6) redis: the Redis tier on a local redis-server\n"
+    try:
+        from kvfsm.bench.redis import bench_redis, format_redis
+    except ImportError as exc:
+        report.results["redis"] = {"available": False, "detail": f"not available ({exc})"}
+        return head + f"  not available ({exc}; pip install 'kvfsm[redis]')"
+    with Progress(1, "redis", enabled=opts.show_progress) as bar:
+        try:
+            numbers = bench_redis(quick=opts.quick)
+        except (ConfigError, OSError) as exc:  # no redis-server here: reported, not a bench crash
+            report.results["redis"] = {"available": False, "detail": str(exc)}
+            return head + f"  not available: {exc}"
+        bar.advance("redis")
+    report.results["redis"] = {"available": True, **numbers}
+    return head + format_redis(numbers)
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "drain": _section_drain,
     "control": _section_control,
     "lifecycle": _section_lifecycle,
     "transfers": _section_transfers,
     "verification": _section_verification,
+    "redis": _section_redis,
 }
 
 

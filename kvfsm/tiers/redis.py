@@ -316,6 +316,8 @@ class RedisTier(SecondaryTier):
         self._client_lock = threading.Lock()
         self._cancel = threading.Event()
         self._pool = DualQueuePool(read_threads, write_threads, name=f"kvfsm-{name}")
+        self._read_threads = read_threads + write_threads  # write threads help with reads
+        self._write_threads = write_threads
         # -- scheduler-thread state --
         self._jobs: dict[int, _JobState] = {}
         self._staged_writes: list[_Item] = []
@@ -495,27 +497,31 @@ class RedisTier(SecondaryTier):
             raise ConfigError(f"tier {self.name!r} has no slot_io; bind the CPU primary's slots before submitting")
 
     def _flush(self) -> None:
-        """Hand the staged work to the pool as batches of at most ``max_batch`` chunks."""
-        n = self.max_batch
+        """Hand the staged work to the pool: each direction's chunks of this step split evenly over the
+        threads that serve it, in pipelined batches of at most ``max_batch`` chunks."""
         writes, self._staged_writes = self._staged_writes, []
-        for i in range(0, len(writes), n):
-            batch = writes[i : i + n]
+        for batch in self._batches(writes, self._write_threads):
             self._stats.write_batches += 1
             fut = self._pool.submit_write(self._write_batch, batch)
             fut.add_done_callback(partial(self._batch_done, batch, True))
         reads, self._staged_reads = self._staged_reads, []
-        for i in range(0, len(reads), n):
-            batch = reads[i : i + n]
+        for batch in self._batches(reads, self._read_threads):
             self._stats.read_batches += 1
             fut = self._pool.submit_read(self._read_batch, batch)
             fut.add_done_callback(partial(self._batch_done, batch, False))
         probes, self._staged_probes = self._staged_probes, []
         probes = [k for k in probes if k in self._probing]
-        for i in range(0, len(probes), n):
-            gens = {k: self._probing[k] for k in probes[i : i + n]}
+        for i in range(0, len(probes), self.max_batch):
+            gens = {k: self._probing[k] for k in probes[i : i + self.max_batch]}
             self._stats.exists_batches += 1
             pfut = self._pool.submit_read(self._exists_batch, list(gens))
             pfut.add_done_callback(partial(self._probe_done, gens))
+
+    def _batches(self, items: list[_Item], threads: int) -> list[list[_Item]]:
+        if not items:
+            return []
+        size = min(self.max_batch, max(1, -(-len(items) // threads)))
+        return [items[i : i + size] for i in range(0, len(items), size)]
 
     def _apply_probes(self) -> None:
         while self._probed:
