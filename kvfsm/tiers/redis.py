@@ -324,6 +324,7 @@ class RedisTier(SecondaryTier):
         self._staged_reads: list[_Item] = []
         self._staged_probes: list[OffloadKey] = []
         self._writes_pending = 0  # chunks staged, queued or being written whose outcome is not applied yet
+        self._writes_sent = 0  # of those, chunks handed to the I/O pool (no longer staged)
         self._verdicts: dict[OffloadKey, tuple[bool, int]] = {}  # key -> (exists, step resolved)
         self._probing: dict[OffloadKey, int] = {}  # key -> generation of the check in flight
         self._generation = 0
@@ -345,6 +346,11 @@ class RedisTier(SecondaryTier):
     def writes_pending(self) -> int:
         """Chunks whose write is staged, queued or running (or finished, not yet applied by a poll)."""
         return self._writes_pending
+
+    @property
+    def writes_sent(self) -> int:
+        """Chunks whose write batch is on the I/O pool (queued, running, or done and not yet applied)."""
+        return self._writes_sent
 
     @property
     def closed(self) -> bool:
@@ -473,6 +479,7 @@ class RedisTier(SecondaryTier):
         self._cancel.set()
         if self.faults is not None:
             self.faults.notify()
+        self._writes_sent += len(self._staged_writes)  # reported below as if sent, and cancelled
         for items, is_store in ((self._staged_writes, True), (self._staged_reads, False)):
             if items:
                 self._done.append([_Outcome(i, is_store, RedisFailure.CANCELLED) for i in items])
@@ -500,6 +507,7 @@ class RedisTier(SecondaryTier):
         """Hand the staged work to the pool: each direction's chunks of this step split evenly over the
         threads that serve it, in pipelined batches of at most ``max_batch`` chunks."""
         writes, self._staged_writes = self._staged_writes, []
+        self._writes_sent += len(writes)
         for batch in self._batches(writes, self._write_threads):
             self._stats.write_batches += 1
             fut = self._pool.submit_write(self._write_batch, batch)
@@ -543,6 +551,7 @@ class RedisTier(SecondaryTier):
                 st = self._jobs.get(out.item.job_id)
                 if out.is_store:
                     self._writes_pending -= 1
+                    self._writes_sent -= 1
                 if out.failure is None:
                     if out.is_store:
                         self._stats.stores_committed += 1

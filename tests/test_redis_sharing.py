@@ -1,0 +1,70 @@
+"""Two reference engines in separate processes share one real Redis server (and a 3-node cluster): a prefix
+engine A computed and offloaded is a hit for engine B, loaded byte for byte, and B computes none of it.
+
+The figures come from the data plane: B's forward writes (what it computed) are counted at its KV memory,
+every loaded block is verified against the value the forward wrote, and the CPU slot bytes of every chunk
+both engines hold at the end are compared by digest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis_support import GUARD_S, RedisServer, needs_redis, running_server, session_cluster, stop_session_servers
+
+pytestmark = needs_redis
+
+pytest.importorskip("torch")
+pytest.importorskip("kvfsm.tiers.redis", reason="redis-py not installed: pip install 'kvfsm[redis]'")
+from kvfsm.bench.redis import SHARED_CONFIG, SharedResult, run_shared  # noqa: E402
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path / "redis") as s:
+        yield s
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_servers() -> Iterator[None]:
+    yield
+    stop_session_servers()
+
+
+def _check(result: SharedResult) -> None:
+    a, b = result.a, result.b
+    print(f"\nsharing: A {a}\nsharing: B {b}\nblocks reused {result.blocks_reused}, hit rate {result.hit_rate:.0%}")
+    assert a.pid != b.pid  # two processes
+    assert a.idle and b.idle
+    assert a.prefix_blocks_computed == a.prefix_blocks > 0  # A computed every shared block
+    assert a.chunks_written_to_server > 0 and a.chunks_loaded_from_server == 0
+    assert b.prefix_blocks_computed == 0, f"B recomputed {b.prefix_blocks_computed} shared blocks"
+    assert result.blocks_reused == b.prefix_blocks  # every shared block came from A's values
+    assert b.bytes_loaded_from_server > 0
+    assert b.blocks_verified == b.prefix_blocks * SHARED_CONFIG.num_layers and b.mismatches == 0
+    same = set(a.chunk_digests) & set(b.chunk_digests)
+    assert same, "no chunk is held by both at the end"
+    assert all(a.chunk_digests[key] == b.chunk_digests[key] for key in same), "a shared chunk differs"
+
+
+def test_two_engine_processes_share_prefixes_through_one_server(server: RedisServer) -> None:
+    _check(run_shared(server.url))
+
+
+def test_two_engine_processes_share_prefixes_through_a_redis_cluster() -> None:
+    _check(run_shared(session_cluster().url, cluster=True))
+
+
+def test_the_demo_prints_the_reuse(server: RedisServer) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfsm", "demo", "--shared", server.url],
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S * 5,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "blocks reused across instances: 24 (" in out.stdout and "result: OK" in out.stdout, out.stdout
