@@ -8,6 +8,7 @@ both engines hold at the end are compared by digest.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -68,3 +69,26 @@ def test_the_demo_prints_the_reuse(server: RedisServer) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "blocks reused across instances: 24 (" in out.stdout and "result: OK" in out.stdout, out.stdout
+
+
+def test_the_bench_section_reports_its_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvfsm bench --only redis``: structure only, never timing (the numbers are the bench's to quote)."""
+    import json
+
+    from kvfsm.cli import main
+
+    assert main(["bench", "--quick", "--quiet", "--json", "--only", "redis"]) == 0
+    data = json.loads(capsys.readouterr().out)["redis"]
+    assert data["available"] is True, data
+    compared = ("write_vs_redis_benchmark", "read_vs_redis_benchmark") if shutil.which("redis-benchmark") else ()
+    for key in (
+        *compared,
+        "pipelined_vs_unpipelined_write",
+        "pipelined_vs_unpipelined_read",
+        "redis_vs_fs_write",
+        "redis_vs_fs_read",
+        "promote_p50_ms",
+        "promote_p99_ms",
+    ):
+        assert isinstance(data[key], float) and data[key] > 0, key
+    assert data["cross_instance_hit_rate"] == 1.0 and data["cross_instance_mismatches"] == 0

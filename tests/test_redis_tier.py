@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
 from redis_support import (
     GUARD_S,
     RedisServer,
@@ -41,7 +42,7 @@ from kvfsm.tiers.slotio import DictSlotIO
 pytestmark = needs_redis
 
 redis_tier = pytest.importorskip("kvfsm.tiers.redis", reason="redis-py not installed: pip install 'kvfsm[redis]'")
-from kvfsm.tiers.redis import RedisFailure, RedisTier  # noqa: E402
+from kvfsm.tiers.redis import RedisFailure, RedisTier, _Item, _Outcome  # noqa: E402
 from kvfsm.tiers.redis_codec import (  # noqa: E402
     MismatchKind,
     Namespace,
@@ -390,6 +391,39 @@ def test_the_conformance_machine_holds_real_io_in_flight(_: None) -> None:
         assert m.tier_copy(m.tier.inner, m.keys[1]) is not None
     finally:
         m.teardown()
+
+
+class _EarlyReportingRedisTier(RedisTier):
+    """A planted bug: every write batch reports success without sending anything to the server."""
+
+    @override
+    def _write_batch(self, batch: list[_Item]) -> list[_Outcome]:
+        return [_Outcome(item, True, None) for item in batch]
+
+
+class _EarlyReportingRedisTierMachine(RedisTierMachine):
+    @override
+    def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
+        return _EarlyReportingRedisTier(
+            self.url, self.ns, slot_io=slot_io, faults=self.plan, read_threads=1, write_threads=1
+        )
+
+
+def test_the_conformance_machine_catches_a_tier_that_reports_writes_it_never_made() -> None:
+    with pytest.raises(Exception, match="holds no committed bytes"):
+        run_state_machine_as_test(
+            _EarlyReportingRedisTierMachine,
+            settings=settings(
+                max_examples=200,
+                stateful_step_count=30,
+                database=None,
+                derandomize=True,
+                deadline=None,
+                phases=[Phase.generate],
+                report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
 
 
 def test_cluster_keys_spread_over_the_nodes() -> None:
