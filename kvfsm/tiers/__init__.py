@@ -5,6 +5,8 @@
 - :mod:`kvfsm.tiers.lookup`: asynchronous lookups (RETRY until the answer is in).
 - :mod:`kvfsm.tiers.blockfile`: the block-file format and its I/O.
 - :mod:`kvfsm.tiers.slotio`: slot bytes across every rank's pool.
+- :mod:`kvfsm.tiers.redis` (extra ``kvfsm[redis]``, not imported here): the shared remote tier on Redis or
+  a Redis Cluster; :mod:`kvfsm.tiers.redis_codec`: its value format and key namespace.
 
 None of it needs torch.
 """
