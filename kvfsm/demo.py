@@ -248,8 +248,9 @@ def run_shared_demo(url: str, *, cluster: bool = False) -> int:
         from kvfsm.errors import ConfigError
 
         raise ConfigError(f"--shared {url!r}; expected a redis://host:port URL")
-    from kvfsm.bench.redis import SHARED_CONFIG, run_shared
+    from kvfsm.bench.redis import SHARED_CONFIG, ping, run_shared
 
+    ping(url, cluster=cluster)  # one line and exit 2, not two failed engine runs, when nothing answers
     print(f"kvfsm demo --shared: two engine processes, one Redis server at {url}\n")
     result = run_shared(url, cluster=cluster)
     a, b = result.a, result.b

@@ -92,3 +92,14 @@ def test_the_bench_section_reports_its_ratios(capsys: pytest.CaptureFixture[str]
     ):
         assert isinstance(data[key], float) and data[key] > 0, key
     assert data["cross_instance_hit_rate"] == 1.0 and data["cross_instance_mismatches"] == 0
+
+
+def test_the_demo_is_one_line_and_exit_2_when_no_server_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    from redis_support import free_port
+
+    from kvfsm.cli import main
+
+    assert main(["demo", "--shared", f"redis://127.0.0.1:{free_port()}/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Redis server answers" in err
+    assert main(["demo", "--shared", "localhost:6379"]) == 2

@@ -230,6 +230,25 @@ class SharedResult:
         return 1.0 - self.b.prefix_blocks_computed / self.b.prefix_blocks if self.b.prefix_blocks else 0.0
 
 
+def ping(url: str, *, cluster: bool = False, timeout_s: float = 5.0) -> None:
+    """ConfigError unless a Redis server (or cluster) answers at ``url`` within ``timeout_s``."""
+    from redis import Redis, RedisError
+    from redis.cluster import RedisCluster
+
+    try:
+        client = (
+            RedisCluster.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+            if cluster
+            else Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        )
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (RedisError, ValueError, OSError) as exc:
+        raise ConfigError(f"no Redis server answers at {url}: {exc}") from None
+
+
 def _spawn(url: str, role: str, prefix: str, cluster: bool) -> InstanceResult:
     cmd = [sys.executable, "-m", "kvfsm.bench.redis", "--url", url, "--role", role, "--prefix", prefix]
     if cluster:
@@ -391,6 +410,12 @@ def bench_redis(quick: bool = False) -> dict[str, Any]:
         ns1 = Namespace("bench", 1, 1, 1, 1, 1, "uint8", 1, prefix=f"bench1-{time.time_ns()}")
         single = RedisTier(url, ns1, op_timeout_s=30.0, max_batch=1)
         w1, r1, _ = _tier_throughput(single, n, value, per_step=32)
+        # Small values, where round trips rather than bytes dominate: what pipelining is for.
+        small, n_small = 4096, 256 if quick else 1024
+        nss = Namespace("bench", 1, 1, 1, 1, 1, "uint8", 1, prefix=f"bench-s-{time.time_ns()}")
+        ws, rs, _ = _tier_throughput(RedisTier(url, nss, op_timeout_s=30.0), n_small, small, per_step=64)
+        nss1 = Namespace("bench", 1, 1, 1, 1, 1, "uint8", 1, prefix=f"bench-s1-{time.time_ns()}")
+        ws1, rs1, _ = _tier_throughput(RedisTier(url, nss1, op_timeout_s=30.0, max_batch=1), n_small, small, 64)
         rps = _redis_benchmark(url, value, 2000 if quick else 10000)
         shared = run_shared(url)
     root = tempfile.mkdtemp(prefix="kvfsm-bench-fs-")
@@ -423,6 +448,9 @@ def bench_redis(quick: bool = False) -> dict[str, Any]:
         out["read_vs_redis_benchmark"] = out["redis_read_gbps"] / out["redis_benchmark_get_gbps"]
     out["pipelined_vs_unpipelined_write"] = out["redis_write_gbps"] / out["unpipelined_write_gbps"]
     out["pipelined_vs_unpipelined_read"] = out["redis_read_gbps"] / out["unpipelined_read_gbps"]
+    out["small_value_bytes"] = small
+    out["pipelined_vs_unpipelined_write_small"] = ws1 / ws
+    out["pipelined_vs_unpipelined_read_small"] = rs1 / rs
     out["redis_vs_fs_write"] = out["redis_write_gbps"] / out["fs_write_gbps"]
     out["redis_vs_fs_read"] = out["redis_read_gbps"] / out["fs_read_gbps"]
     return out
@@ -457,6 +485,14 @@ def format_redis(n: dict[str, Any]) -> str:
         ("tier / redis-benchmark, read", n.get("read_vs_redis_benchmark")),
         ("pipelined / unpipelined, write", n.get("pipelined_vs_unpipelined_write")),
         ("pipelined / unpipelined, read", n.get("pipelined_vs_unpipelined_read")),
+        (
+            f"pipelined / unpipelined, write, {n.get('small_value_bytes', 0) // 1024} KiB values",
+            n.get("pipelined_vs_unpipelined_write_small"),
+        ),
+        (
+            f"pipelined / unpipelined, read, {n.get('small_value_bytes', 0) // 1024} KiB values",
+            n.get("pipelined_vs_unpipelined_read_small"),
+        ),
         ("redis tier / fs tier, write", n.get("redis_vs_fs_write")),
         ("redis tier / fs tier, read", n.get("redis_vs_fs_read")),
     ]
