@@ -252,6 +252,34 @@ def test_sigkill_during_reads_then_restart(tmp_path: Path, persistent: bool) -> 
             assert promoted == 0
 
 
+def test_sigkill_with_a_write_on_the_wire_is_a_reset(server: RedisServer) -> None:
+    """The SET batch has reached the server (held there by CLIENT PAUSE WRITE: the server lists the tier's
+    connection blocked in ``set``) when the server is killed: the connection resets under it."""
+    h = Harness(server.url)
+    admin = server.client()
+    admin.execute_command("CLIENT", "PAUSE", str(int(GUARD_S * 1000)), "WRITE")
+    req = h.engine.make_request(f"r{next(_n)}", h.prompt(0), 1)
+    h.engine.add_request(req)
+    for _ in range(2000):
+        h.step(wait=False)
+        if req.is_finished and h.tier.writes_sent > 0:
+            break
+    for _ in range(1000):  # a bounded number of real CLIENT LIST round trips, no sleeping
+        if any(c.get("cmd") == "set" and "b" in c.get("flags", "") for c in admin.client_list()):
+            break
+    else:
+        raise AssertionError("the tier's SET never reached the server")
+    admin.close()
+    server.kill()
+    h.drain()
+    assert h.tier.counters.failures.get("reset", 0) > 0
+    server.start()
+    h.clock.advance(2 * BACKOFF_S)
+    h.serve(1)
+    counts = h.finish("sigkill with a SET on the wire")
+    assert counts["reconnects"] >= 1 and counts["stores_committed"] > 0
+
+
 # ---------------------------------------------------------------------------------------------- stalls
 
 
