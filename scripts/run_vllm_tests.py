@@ -105,9 +105,12 @@ class KvfsmPlugin:
         from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
         from kvfsm.vllm.manager import KvfsmCPUOffloadingManager
+
+        # Swap the class before anything else imports it (kvfsm.vllm.spec imports vLLM's CPU spec module).
+        self.native_manager = vllm_cpu_manager.CPUOffloadingManager
+        vllm_cpu_manager.CPUOffloadingManager = KvfsmCPUOffloadingManager  # type: ignore[misc]
         from kvfsm.vllm.spec import KvfsmOffloadingSpec
 
-        vllm_cpu_manager.CPUOffloadingManager = KvfsmCPUOffloadingManager  # type: ignore[misc]
         OffloadingSpecFactory._registry["CPUOffloadingSpec"] = lambda: KvfsmOffloadingSpec
         config.addinivalue_line("markers", "cpu_test: vLLM's marker of CPU-only tests")
 
@@ -120,6 +123,21 @@ class KvfsmPlugin:
                     self.used.add(e["test"])
                     item.add_marker(pytest.mark.xfail(reason=f"[{e['category']}] {e['reason']}", strict=True))
 
+    def pytest_collection_finish(self, session: Any) -> None:
+        """Every module (vLLM's and the tests') must see kvfsm's manager: fail if vLLM's was bound first."""
+        from kvfsm.vllm.manager import KvfsmCPUOffloadingManager
+
+        stale = sorted(
+            name
+            for name, module in list(sys.modules.items())
+            if getattr(module, "CPUOffloadingManager", None) is self.native_manager
+        )
+        if stale:
+            raise SystemExit(f"kvfsm: these modules still bind vLLM's CPUOffloadingManager: {stale}")
+        tiering = sys.modules.get("vllm.v1.kv_offload.tiering.manager")
+        if tiering is not None and not issubclass(tiering.CPUPrimaryTierOffloadingManager, KvfsmCPUOffloadingManager):
+            raise SystemExit("kvfsm: vLLM's tiering primary does not run on kvfsm's manager")
+
     def pytest_sessionfinish(self, session: Any, exitstatus: int) -> None:
         selected = {e["test"] for e in self.differences}
         unused = sorted(t for t in selected - self.used if any(t.startswith(p) for p in session.config.args))
@@ -131,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-src", required=True, type=Path, help="directory holding vLLM's tests/ (sdist)")
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
+    parser.add_argument(
+        "--native", action="store_true", help="run the suites on vLLM's own manager and spec (the baseline), no kvfsm"
+    )
     args, rest = parser.parse_known_args(argv)
     src: Path = args.vllm_src.resolve()
     if not (src / "tests" / "v1").is_dir():
@@ -153,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(
         pytest.main(
             ["-p", "no:cacheprovider", "--confcutdir", "tests/v1", "-q", *paths, *rest],
-            plugins=[KvfsmPlugin(load_differences())],
+            plugins=[] if args.native else [KvfsmPlugin(load_differences())],
         )
     )
 

@@ -30,6 +30,7 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadingSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import OffloadingManager as KvfsmManager
@@ -114,6 +115,12 @@ class KvfsmOffloadingSpec(OffloadingSpec):
         self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
         self._manager: KvfsmOffloadingManager | None = None
         self._worker: KvfsmOffloadingWorker | None = None
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The metrics of vLLM's CPU spec: kvfsm's manager reports the same gauges, histogram and counter."""
+        return dict(CPUOffloadingSpec.build_metric_definitions(extra_config))
 
     @classmethod
     @override
