@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Run vLLM 0.33's own offloading tests with kvfsm in place of vLLM's CPU manager and CPU spec.
 
-    python scripts/run_vllm_tests.py --vllm-src /path/with/vllm/tests [--suite cpu|connector|all] [pytest args]
+    python scripts/run_vllm_tests.py --vllm-src DIR [--fetch] [--suite cpu|connector|all] [--native] [pytest args]
+
+``--fetch`` first puts vLLM's tests under DIR: vLLM's wheel has none, so they come from the PyPI sdist of
+the installed version (``pip download --no-binary :all: --no-clean`` unpacks it; building its metadata
+then fails, which is expected, and the unpacked tree stays behind).
 
 vLLM's test files are not edited. Before pytest imports any of them, the plugin in this file:
 
@@ -145,15 +149,39 @@ class KvfsmPlugin:
             print(f"\nkvfsm: deliberate differences naming no collected test: {unused}", file=sys.stderr)
 
 
+def fetch_vllm_tests(dest: Path) -> None:
+    """Copy the installed vLLM version's sdist tests/ to ``dest/tests`` (see the module docstring)."""
+    import shutil
+    import subprocess
+    from importlib.metadata import version
+
+    if (dest / "tests" / "v1").is_dir():
+        return
+    tmp = dest / "sdist-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation"]
+    cmd += ["--no-clean", f"vllm=={version('vllm')}", "-d", str(dest / "dl")]
+    # Expected to fail at the metadata step; only the unpacked tree is wanted.
+    subprocess.run(cmd, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, check=False)
+    found = sorted(p.parent for p in tmp.glob("*/*/tests/v1") if p.is_dir())
+    if not found:
+        raise SystemExit(f"run_vllm_tests: pip left no unpacked vLLM sdist with tests/ under {tmp}")
+    shutil.copytree(found[0], dest / "tests")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-src", required=True, type=Path, help="directory holding vLLM's tests/ (sdist)")
+    parser.add_argument("--fetch", action="store_true", help="first fetch the tests from vLLM's sdist into --vllm-src")
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument(
         "--native", action="store_true", help="run the suites on vLLM's own manager and spec (the baseline), no kvfsm"
     )
     args, rest = parser.parse_known_args(argv)
     src: Path = args.vllm_src.resolve()
+    if args.fetch:
+        fetch_vllm_tests(src)
     if not (src / "tests" / "v1").is_dir():
         print(f"run_vllm_tests: {src} has no tests/v1; expected vLLM's sdist tree", file=sys.stderr)
         return 2

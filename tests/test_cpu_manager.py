@@ -540,11 +540,15 @@ def test_store_threshold_admits_a_key_on_its_nth_offer() -> None:
     m.prepare_store(keys(2, 3), CTX)  # a full tracker forgets its oldest entries (k0, k1)
     out = m.prepare_store(keys(1), CTX)
     assert out is not None and out.keys_to_store == ()  # k1's first offer was forgotten
-    assert m.take_allocation_sizes() == [1]
+    assert m.allocation_sizes() == {1: 1}
 
 
 def test_zero_capacity_manager_stores_nothing() -> None:
-    for policy in ("lru", "arc", "request-lru", "request-arc"):
+    """vLLM accepts a manager with no chunks; kvfsm's own policies refuse one (a misconfigured engine)."""
+    for policy in ("lru", "arc"):
+        with pytest.raises(ConfigError, match="at least one slot"):
+            CPUOffloadingManager(0, policy)
+    for policy in ("request-lru", "request-arc"):
         m = CPUOffloadingManager(0, policy)
         assert m.prepare_store(keys(0), CTX) is None
         assert m.prepare_store([], CTX) == PrepareStoreOutput((), SlotSpec(()), ())
@@ -583,3 +587,19 @@ def test_request_arc_promotes_reuse_at_finish_and_keeps_insertions_in_t1() -> No
     assert policy.t2_keys() == []  # nothing moves before the request finishes
     m.on_request_finished(second)
     assert policy.t1_keys() == keys(1) and policy.t2_keys() == keys(0)
+
+
+def test_metrics_export_usage_gauges_and_the_allocation_histogram() -> None:
+    """kvfsm's metrics read vLLM's CPU gauges and allocation sizes from a watched CPU manager."""
+    from kvfsm.observe.metrics import KvfsmMetrics
+
+    m = CPUOffloadingManager(4, "request-lru")
+    metrics = KvfsmMetrics()
+    metrics.watch_manager(m)
+    store(m, 0, 1)
+    m.prepare_store(keys(2, 3, 4), CTX)  # 3 new keys, 2 free slots, 2 evictable: allocated
+    snap = metrics.snapshot()
+    assert snap["cpu_usage"] == {"cpu": {"all": 0.75, "store": 0.75, "load": 0.0}}
+    assert snap["allocation_sizes"] == {"cpu": {"count": 2, "keys": 5.0}}
+    hist = metrics.allocation_histograms()["cpu"].cumulative()
+    assert hist[:2] == [("1", 0.0), ("4", 2.0)]

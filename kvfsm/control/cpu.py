@@ -9,7 +9,7 @@ O(victims) when it evicts; only :meth:`CPUOffloadingManager.reset_cache` visits 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
@@ -146,8 +146,9 @@ class SlotModel:
         """writing -> ready; returns EMIT_STORED."""
         return self.machine.fire(self, SlotEvent.COMMIT_WRITE)
 
-    def abort_write(self) -> None:
-        self.machine.fire(self, SlotEvent.ABORT_WRITE)
+    def abort_write(self) -> SlotEffect | None:
+        """writing -> absent; returns EMIT_REMOVED (a metadata-only removal: never announced stored)."""
+        return self.machine.fire(self, SlotEvent.ABORT_WRITE)
 
     def begin_read(self) -> None:
         """One more reader (ready or reading -> reading)."""
@@ -232,6 +233,13 @@ class CPUOffloadingManager(OffloadingManager):
             raise ConfigError(f"max_tracker_size={max_tracker_size!r}; expected an int >= 1")
         self._num_slots = num_slots
         self._policy: CachePolicy = make_policy(policy, capacity=num_slots)
+        if num_slots == 0 and not self._policy.request_scoped:
+            # vLLM runs a manager with no chunks (its spec computes 0 when cpu_bytes_to_use is below one
+            # chunk); kvfsm's own engine treats a CPU tier without slots as the misconfiguration it is.
+            raise ConfigError(
+                f"CPU tier needs at least one slot with policy {policy!r}, got num_slots=0; expected >= 1 "
+                "(only the request-scoped policies of the vLLM route accept 0)"
+            )
         self._store_threshold = store_threshold
         self._max_tracker_size = max_tracker_size
         # Admission filter (vLLM's reuse counter): how often each recent key was offered, oldest first.
@@ -239,7 +247,8 @@ class CPUOffloadingManager(OffloadingManager):
         # Request-scoped policies: each live request's accesses, and how to read its keys' token positions.
         self._requests: dict[str, RequestAccess] = {}
         self._key_positions: dict[str, KeyPosition] = {}
-        self._allocation_sizes: list[int] = []
+        # How many prepare_store calls tried to allocate each number of new keys (vLLM's histogram), cumulative.
+        self._allocation_sizes: Counter[int] = Counter()
         self._next_seq = 0
         self._medium = medium
         self.enable_events = enable_events
@@ -325,11 +334,10 @@ class CPUOffloadingManager(OffloadingManager):
         """The admission filter's offer counts, least recently offered first (read-only); None without one."""
         return None if self._counts is None else MappingProxyType(self._counts)
 
-    def take_allocation_sizes(self) -> list[int]:
-        """The number of new keys each ``prepare_store`` tried to allocate since the last call (vLLM's
-        allocation-size histogram), failed attempts included."""
-        sizes, self._allocation_sizes = self._allocation_sizes, []
-        return sizes
+    def allocation_sizes(self) -> Mapping[int, int]:
+        """Number of new keys -> how many ``prepare_store`` calls tried to allocate that many, since the
+        manager was built (vLLM's allocation-size histogram; failed attempts included). Read-only."""
+        return MappingProxyType(self._allocation_sizes)
 
     def stats(self) -> CPUStats:
         return CPUStats(
@@ -473,7 +481,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._record_access(access, [key for key in offered if key in recorded], reused=ready_held)
         if not new_keys:
             return _EMPTY_STORE
-        self._allocation_sizes.append(len(new_keys))
+        self._allocation_sizes[len(new_keys)] += 1
         # Every held key offered (in any state) is protected: not re-stored, and not evicted by this call.
         reserved = self._reserve(new_keys, slots.keys() & set(offered), access)
         if reserved is None:
@@ -723,15 +731,20 @@ class CPUOffloadingManager(OffloadingManager):
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
+            released: list[OffloadKey] = []
             for key in writing:
                 slot = self._slots.pop(key)
-                slot.abort_write()
+                match slot.abort_write():
+                    case SlotEffect.EMIT_REMOVED:
+                        released.append(key)
+                    case _:
+                        pass
                 if holds_writing:
                     policy.remove(key)
                 self._free_ids.append(slot.slot_id)
-            if self.enable_events:
+            if released and self.enable_events:
                 # Never announced as stored; the removal tells listeners to drop their bookkeeping.
-                self._events.append(OffloadingEvent(tuple(writing), self._medium, removed=True, metadata_only=True))
+                self._events.append(OffloadingEvent(tuple(released), self._medium, removed=True, metadata_only=True))
             if promotion:
                 self._stats.promotions_failed += len(writing)
             else:

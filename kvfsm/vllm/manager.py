@@ -89,6 +89,7 @@ class KvfsmOffloadingManager(OffloadingManager):
         self._config_info: dict[str, Any] = dict(info.as_config_info()) if info is not None else {}
         self._contexts = 0
         self._skipped_reported = 0
+        self._sizes_reported: dict[int, int] = {}
 
     @property
     def kvfsm_manager(self) -> KvfsmManager:
@@ -196,8 +197,11 @@ class KvfsmOffloadingManager(OffloadingManager):
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, snap.usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snap.write_usage)
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snap.read_usage)
-        for size in self._primary.take_allocation_sizes():
-            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        reported = self._sizes_reported
+        for size, count in self._primary.allocation_sizes().items():
+            for _ in range(count - reported.get(size, 0)):
+                stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+            reported[size] = count
         if self._primary.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, snap.stores_skipped - self._skipped_reported)
             self._skipped_reported = snap.stores_skipped
