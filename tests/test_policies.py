@@ -362,3 +362,18 @@ def test_make_policy_knows_the_request_scoped_names() -> None:
     assert isinstance(make_policy("request-lru"), RequestLRUPolicy)
     assert isinstance(make_policy("request-arc", 3), RequestARCPolicy)
     assert make_policy("request-lru").request_scoped and not make_policy("lru").request_scoped
+
+
+def test_request_lru_batch_insert_ranks_as_one_insert_per_key() -> None:
+    positions = {k(i): 16 * i for i in (1, 3, 4)}  # k0 and k2 have no position
+    batched, single = RequestLRUPolicy(), RequestLRUPolicy()
+    a1, a2 = RequestAccess(positions.get), RequestAccess(positions.get)
+    ks = [k(i) for i in range(5)]
+    batched.insert_pending(ks, a1)
+    for key in ks:
+        single.insert(key, evictable=False, access=a2)
+    assert [batched.rank(key) for key in ks] == [single.rank(key) for key in ks]
+    assert a1.rank == a2.rank
+    with pytest.raises(KeyNotReadyError, match="already holds"):
+        batched.insert_pending([k(9), k(1)], a1)
+    assert k(9) not in batched  # nothing inserted

@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
+from typing import NoReturn
 
 from typing_extensions import override
 
@@ -360,22 +361,22 @@ class CPUOffloadingManager(OffloadingManager):
             result = LookupResult.HIT_PENDING
         else:
             result = LookupResult.HIT
-        self._count_lookup(ctx.req_id, key, result)
-        return result
-
-    def _count_lookup(self, req_id: str, key: OffloadKey, result: LookupResult) -> None:
-        stats = self._stats
-        answers = self._answers.setdefault(req_id, {})
+        # Counted once per request and key, under its latest answer (inline: lookup is the hottest call).
+        answers = self._answers.get(ctx.req_id)
+        if answers is None:
+            answers = self._answers[ctx.req_id] = {}
         before = answers.get(key)
+        if before is result:
+            self._stats.lookup_retries += 1
+            return result
         answers[key] = result
         if before is None:
-            stats.lookups += 1
+            self._stats.lookups += 1
         else:
-            stats.lookup_retries += 1
-            if before is result:
-                return
+            self._stats.lookup_retries += 1
             self._bump(before, -1)
         self._bump(result, 1)
+        return result
 
     def _bump(self, result: LookupResult, by: int) -> None:
         stats = self._stats
@@ -631,29 +632,42 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_read(self, keys: Sequence[OffloadKey]) -> None:
         """Unpin keys pinned by :meth:`prepare_read` (once per listing); the last reader makes it ready."""
-        counts: dict[OffloadKey, int] = {}
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
-        for key, n in counts.items():
-            slot = self._slots.get(key)
-            if slot is None or slot.state is not SlotState.READING or slot.readers < n:
-                state = SlotState.ABSENT if slot is None else slot.state
-                readers = 0 if slot is None else slot.readers
-                raise InvalidTransition(
-                    "slot",
-                    str(state),
-                    str(SlotEvent.END_READ),
-                    f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
-                    "expected a reading slot with at least that many readers",
-                )
-        for key in keys:
-            slot = self._slots[key]
-            was_evictable = is_evictable(slot.state)
+        slots = self._slots
+        pinned = [slots.get(key) for key in keys]
+        if len(set(keys)) == len(pinned):  # each key once (the usual case): one check per slot
+            for key, slot in zip(keys, pinned, strict=True):
+                if slot is None or slot.state is not SlotState.READING:
+                    self._raise_end_read(key, 1)
+        else:
+            counts: dict[OffloadKey, int] = {}
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+            for key, n in counts.items():
+                slot = slots.get(key)
+                if slot is None or slot.state is not SlotState.READING or slot.readers < n:
+                    self._raise_end_read(key, n)
+        released: list[OffloadKey] = []
+        for slot in pinned:
+            assert slot is not None  # checked above
             slot.end_read()
-            if not was_evictable and is_evictable(slot.state):
-                self._policy.mark_evictable(key)
-                self._num_reading -= 1
-                self._num_ready += 1
+            if is_evictable(slot.state):  # the last reader is done (a reading slot was not evictable)
+                released.append(slot.key)
+        if released:
+            self._policy.mark_evictable_many(released)
+            self._num_reading -= len(released)
+            self._num_ready += len(released)
+
+    def _raise_end_read(self, key: OffloadKey, n: int) -> NoReturn:
+        slot = self._slots.get(key)
+        state = SlotState.ABSENT if slot is None else slot.state
+        readers = 0 if slot is None else slot.readers
+        raise InvalidTransition(
+            "slot",
+            str(state),
+            str(SlotEvent.END_READ),
+            f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
+            "expected a reading slot with at least that many readers",
+        )
 
     # -- internals --
 
@@ -672,19 +686,18 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             self._evict(victims)
         machine = self._machine
-        policy = self._policy
-        holds_writing = policy.request_scoped
+        slots, alloc = self._slots, self._alloc_id
         ids: list[int] = []
         seq = self._next_seq
         for key in new_keys:
             seq += 1
-            slot = Slot(key, self._alloc_id(), seq, machine=machine)
+            slot = Slot(key, alloc(), seq, machine=machine)
             slot.begin_write()
-            self._slots[key] = slot
+            slots[key] = slot
             ids.append(slot.slot_id)
-            if holds_writing:
-                policy.insert(key, evictable=False, access=access)
         self._next_seq = seq
+        if self._policy.request_scoped:
+            self._policy.insert_pending(new_keys, access)  # held (not evictable) while being written
         self._num_writing += len(new_keys)
         return tuple(ids), tuple(victims)
 
@@ -719,10 +732,10 @@ class CPUOffloadingManager(OffloadingManager):
                         stored.append(key)
                     case _:
                         pass
-                if holds_writing:
-                    policy.mark_ready(key)
-                else:
+                if not holds_writing:
                     policy.insert(key, evictable=is_evictable(slot.state))
+            if holds_writing:
+                policy.mark_ready_many(writing)  # one batch: a request-scoped policy re-heaps once
             self._num_ready += len(writing)
             if promotion:
                 self._stats.promotions_committed += len(writing)

@@ -106,6 +106,21 @@ class CachePolicy(ABC):
         """A held writing key's store committed (request-scoped policies only; others insert at commit)."""
         self.mark_evictable(key)
 
+    def insert_pending(self, keys: Sequence[OffloadKey], access: RequestAccess | None) -> None:
+        """Insert keys whose store was just prepared, not evictable, in order (request-scoped policies)."""
+        for key in keys:
+            self.insert(key, evictable=False, access=access)
+
+    def mark_ready_many(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`mark_ready` for each key, in order (a policy may batch it)."""
+        for key in keys:
+            self.mark_ready(key)
+
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`mark_evictable` for each key, in order (a policy may batch it)."""
+        for key in keys:
+            self.mark_evictable(key)
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """Keys a request offered for storing that are not held (ARC learns from its ghosts here)."""
 
@@ -550,6 +565,26 @@ class RequestLRUPolicy(CachePolicy):
             heapq.heappush(self._heap, (rank, key))
 
     @override
+    def insert_pending(self, keys: Sequence[OffloadKey], access: RequestAccess | None) -> None:
+        ranks = self._ranks
+        for key in keys:
+            if key in ranks:
+                raise KeyNotReadyError(f"policy already holds key {_show(key)}; expected a key not yet inserted")
+        if access is None:
+            for key in keys:
+                self._next_rank += 1
+                ranks[key] = (self._next_rank, 0)
+            return
+        position = access.key_position
+        for key in keys:
+            p = position(key)
+            if p is None:
+                self._next_rank += 1
+                ranks[key] = (self._next_rank, 0)
+            else:
+                ranks[key] = (self._request_rank(access), -p)
+
+    @override
     def remove(self, key: OffloadKey) -> None:
         if key not in self._ranks:
             raise _not_held(key, "remove()")
@@ -592,6 +627,21 @@ class RequestLRUPolicy(CachePolicy):
         self._evictable.add(key)
         heapq.heappush(self._heap, (self._ranks[key], key))
         self._maybe_compact()
+
+    @override
+    def mark_ready_many(self, keys: Sequence[OffloadKey]) -> None:
+        self.mark_evictable_many(keys)
+
+    @override
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        ranks, evictable = self._ranks, self._evictable
+        for key in keys:
+            if key not in ranks:
+                raise _not_held(key, "mark_evictable()")
+        # One heap update for the batch (no rank changes: becoming evictable is not a use).
+        added = [key for key in dict.fromkeys(keys) if key not in evictable]
+        evictable.update(added)
+        self._requeue(added)
 
     @override
     def mark_non_evictable(self, key: OffloadKey) -> None:
@@ -796,6 +846,21 @@ class RequestARCPolicy(CachePolicy):
                     t2[key] = None
                 elif key in t2:
                     t2.move_to_end(key)
+
+    @override
+    def mark_ready_many(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if key not in self:
+                raise _not_held(key, "mark_ready()")
+        self._pending.difference_update(keys)
+        self._evictable.update(keys)
+
+    @override
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if key not in self:
+                raise _not_held(key, "mark_evictable()")
+        self._evictable.update(keys)
 
     @override
     def mark_evictable(self, key: OffloadKey) -> None:

@@ -14,8 +14,8 @@ vLLM loads it with::
 
 The scheduler side gets kvfsm's manager (:mod:`kvfsm.vllm.manager`): the CPU manager with kvfsm's
 request-scoped LRU or ARC, or kvfsm's tiering manager with the file-system tier below it. The worker side
-gets :class:`KvfsmOffloadingWorker`, vLLM's worker interface over kvfsm's thread-pool copy backend and a
-kvfsm slot pool. The keys are parsed by :mod:`kvfsm.vllm.config`.
+gets :class:`KvfsmOffloadingWorker`, vLLM's worker interface over kvfsm's copy backend (the CUDA backend
+for CUDA KV caches, else the thread-pool one) and a kvfsm slot pool. The keys are parsed by :mod:`kvfsm.vllm.config`.
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ class KvfsmOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"kvfsm's copy backend needs one block shape and dtype for all tensors; got {rows}")
         if self.num_chunks < 1:
             raise ConfigKeyError("cpu_bytes_to_use", "too small for one chunk; expected room for at least one")
+        on_gpu = tensors[0].device.type == "cuda"
         pool = CPUSlotPool(
-            self.num_chunks, int(self.blocks_per_chunk), rows[0], len(tensors), tensors[0].dtype, pin_memory=False
+            self.num_chunks, int(self.blocks_per_chunk), rows[0], len(tensors), tensors[0].dtype, pin_memory=on_gpu
         )
         if self.kvfsm_config.tier == "fs":
             with _FS_LOCK:
@@ -177,6 +178,11 @@ class KvfsmOffloadingSpec(OffloadingSpec):
                     "kvfsm_tier", "the fs tier needs its scheduler in this process (vLLM's uniproc executor)"
                 )
             tier.slot_io = pool
+        if on_gpu:
+            # kvfsm's CUDA backend: batched copies on its own streams, ordered after the forward's writes.
+            from kvfsm.data.cuda.backend import CudaCopyBackend
+
+            return CudaCopyBackend(tensors, pool, int(self.blocks_per_chunk))
         return ThreadPoolCopyBackend(
             tensors, pool, int(self.blocks_per_chunk), max_workers=self.kvfsm_config.copy_threads, copy_path="runs"
         )
