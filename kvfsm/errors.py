@@ -11,6 +11,7 @@ from typing_extensions import override
 __all__ = [
     "AckCountError",
     "ConfigError",
+    "ConfigKeyError",
     "DuplicateJobError",
     "DuplicateRequestError",
     "InvalidTransition",
@@ -32,6 +33,15 @@ class SpecError(KvfsmError):
 
 class ConfigError(KvfsmError, ValueError):
     """A configuration value is inconsistent (block sizes, capacities, world size)."""
+
+
+class ConfigKeyError(ConfigError):
+    """One key of a configuration mapping (e.g. vLLM's ``kv_connector_extra_config``) is unknown or has a
+    bad value; ``key`` names it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
 
 
 class InvalidTransition(KvfsmError):

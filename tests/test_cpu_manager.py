@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 
 import pytest
 
 import kvfsm.control.cpu as cpu_mod
 from kvfsm.control.cpu import CPUOffloadingManager, Slot
+from kvfsm.control.policies import RequestARCPolicy
 from kvfsm.control.types import (
     LookupResult,
     OffloadingEvent,
@@ -65,7 +69,9 @@ def check_counts(m: CPUOffloadingManager, universe: Iterable[int]) -> None:
     assert m.num_evictable == states.count(R) == m.policy.num_evictable
     assert m.num_reading == states.count(RD)
     assert m.num_free == m.num_slots - (len(states) - states.count(A))
-    assert len(m.policy) == states.count(R) + states.count(RD)
+    # A request-scoped policy (vLLM's rules) also holds the keys being written.
+    writing = states.count(W) if m.policy.request_scoped else 0
+    assert len(m.policy) == states.count(R) + states.count(RD) + writing
 
 
 class RecordingMachine:
@@ -93,8 +99,12 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingMachine]:
 
 
 def test_config_errors() -> None:
-    with pytest.raises(ConfigError, match="expected >= 1"):
-        CPUOffloadingManager(0)
+    with pytest.raises(ConfigError, match="expected an int >= 0"):
+        CPUOffloadingManager(-1)
+    with pytest.raises(ConfigError, match="store_threshold"):
+        CPUOffloadingManager(4, store_threshold=-1)
+    with pytest.raises(ConfigError, match="max_tracker_size"):
+        CPUOffloadingManager(4, max_tracker_size=0)
     with pytest.raises(ConfigError, match="unknown cache policy"):
         CPUOffloadingManager(4, "mru")
     m = CPUOffloadingManager(4, "arc", medium="PINNED", checked=True)
@@ -209,7 +219,8 @@ def test_failed_store_frees_slots_and_key_becomes_absent() -> None:
     assert m.lookup(k(0), CTX) is LookupResult.MISS
     assert len(m.policy) == 0
     assert m.stats().stores_failed == 2
-    assert m.take_events() == []
+    # vLLM's rule: the failed keys are released with a metadata-only removal (never announced stored).
+    assert m.take_events() == [OffloadingEvent((k(0), k(1)), "CPU", removed=True, metadata_only=True)]
 
 
 def test_complete_store_is_idempotent_and_ignores_non_writing_keys() -> None:
@@ -241,7 +252,7 @@ def test_eviction_never_takes_writing_or_reading_slots() -> None:
     m.prepare_load(keys(0), CTX)  # reading
     out = m.prepare_store(keys(3, 4), CTX)  # one free slot + one eviction: only k1 qualifies
     assert out is not None and out.evicted_keys == (k(1),)
-    assert out.store_spec.slot_ids == (1, 3)  # the freed id first, then a never-used one
+    assert out.store_spec.slot_ids == (3, 1)  # a never-used id first, then the freed one (vLLM's order)
     assert m.slot_state(k(0)) is RD and m.slot_state(k(2)) is W
     before = snapshot(m)
     assert m.prepare_store(keys(5), CTX) is None  # nothing evictable
@@ -417,16 +428,20 @@ def test_has_pending_work_default_false() -> None:
 # -- counts under random operations --
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "request-lru", "request-arc"])
 def test_counts_stay_consistent_under_random_operations(policy: str) -> None:
     rng = random.Random(11)
     universe = range(24)
-    m = CPUOffloadingManager(8, policy, checked=True)
+    m = CPUOffloadingManager(8, policy, checked=True, store_threshold=rng.choice([0, 2]))
+    ctx = CTX
     for _ in range(1500):
-        op = rng.randrange(8)
+        op = rng.randrange(9)
         ks = keys(*(rng.randrange(24) for _ in range(rng.randrange(1, 4))))
-        if op == 0:
-            m.prepare_store(ks, CTX)
+        if op == 8:
+            m.on_request_finished(ctx)  # commits a request-scoped policy's recency
+            ctx = ReqContext(f"r{rng.randrange(4)}")
+        elif op == 0:
+            m.prepare_store(ks, ctx)
         elif op == 1:
             m.complete_store(ks, CTX, success=rng.random() < 0.8)
         elif op == 2:
@@ -453,3 +468,138 @@ def test_counts_stay_consistent_under_random_operations(policy: str) -> None:
         ids = [m.slot_id(k(i)) for i in universe]
         held = [i for i in ids if i is not None]
         assert len(held) == len(set(held)) and all(0 <= i < 8 for i in held)
+
+
+# -- vLLM 0.33 semantics (spec/README.md, "vLLM semantics") --
+
+_SEED_SCENARIO = """
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.types import ReqContext, make_offload_key
+for policy in ("lru", "arc", "request-lru", "request-arc"):
+    m = CPUOffloadingManager(8, policy)
+    ctx = ReqContext("r")
+    ks = [make_offload_key(i.to_bytes(8, "big")) for i in range(8)]
+    m.prepare_store(ks, ctx)
+    m.complete_store(set(ks), ctx)  # vLLM passes a set: its order follows the hash seed
+    out = m.prepare_store([make_offload_key(b"new" + bytes([i])) for i in range(3)], ctx)
+    assert out is not None
+    print(policy, [k[7] for k in out.evicted_keys])
+"""
+
+
+def test_eviction_order_does_not_depend_on_the_hash_seed() -> None:
+    """The same calls evict the same keys under every PYTHONHASHSEED (a set's order differs by seed)."""
+    outputs = set()
+    for seed in ("0", "1", "2", "3", "5", "8"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _SEED_SCENARIO], capture_output=True, text=True, env=env, timeout=120, check=False
+        )
+        assert out.returncode == 0, out.stderr
+        outputs.add(out.stdout)
+    assert len(outputs) == 1, outputs
+    assert "lru [0, 1, 2]" in outputs.pop()
+
+
+def test_request_lru_commits_recency_at_finish_head_most_recent() -> None:
+    """A request's keys are ordered by token position, head most recent, whatever order they come in."""
+    m = CPUOffloadingManager(6, "request-lru")
+    old = ReqContext("old")
+    store_ctx(m, old, 0, 1)
+    assert m.policy.keys() == keys(0, 1)  # no positions: in the order stored
+    m.on_request_finished(old)
+    assert m.policy.keys() == keys(1, 0)  # finished: its head (k0) most recent
+    new = ReqContext("new")
+    positions = {k(0): 0, k(2): 16, k(3): 32, k(4): 48, k(5): 64}
+    m.on_new_request(new, key_position=positions.get)
+    out = m.prepare_store(keys(5, 3, 4, 2), new)  # offered out of order: the token position decides
+    assert out is not None
+    m.complete_store(list(set(out.keys_to_store)), new)  # in a hash-seed order, as the vLLM adapter passes
+    assert m.policy.keys() == keys(1, 0, 5, 4, 3, 2)  # one shared rank, the tail oldest
+    m.prepare_load(keys(0), new)  # the request reads the old head: it takes the request's rank
+    m.complete_load(keys(0), new)
+    assert m.policy.keys() == keys(1, 5, 4, 3, 2, 0)
+    m.on_request_finished(new)
+    assert m.policy.keys() == keys(1, 5, 4, 3, 2, 0)
+    out = m.prepare_store(keys(6, 7), ReqContext("later"))
+    assert out is not None and out.evicted_keys == (k(1), k(5))
+
+
+def store_ctx(m: CPUOffloadingManager, ctx: ReqContext, *ids: int) -> None:
+    out = m.prepare_store(keys(*ids), ctx)
+    assert out is not None
+    m.complete_store(out.keys_to_store, ctx)
+
+
+def test_store_threshold_admits_a_key_on_its_nth_offer() -> None:
+    m = CPUOffloadingManager(4, "request-lru", store_threshold=2, max_tracker_size=2)
+    assert m.prepare_store(keys(0), CTX) == PrepareStoreOutput((), SlotSpec(()), ())
+    out = m.prepare_store(keys(0, 1), CTX)
+    assert out is not None and out.keys_to_store == (k(0),)
+    assert m.stats().stores_skipped == 2  # k0 once, k1 once
+    m.prepare_store(keys(2, 3), CTX)  # a full tracker forgets its oldest entries (k0, k1)
+    out = m.prepare_store(keys(1), CTX)
+    assert out is not None and out.keys_to_store == ()  # k1's first offer was forgotten
+    assert m.allocation_sizes() == {1: 1}
+
+
+def test_zero_capacity_manager_stores_nothing() -> None:
+    """vLLM accepts a manager with no chunks; kvfsm's own policies refuse one (a misconfigured engine)."""
+    for policy in ("lru", "arc"):
+        with pytest.raises(ConfigError, match="at least one slot"):
+            CPUOffloadingManager(0, policy)
+    for policy in ("request-lru", "request-arc"):
+        m = CPUOffloadingManager(0, policy)
+        assert m.prepare_store(keys(0), CTX) is None
+        assert m.prepare_store([], CTX) == PrepareStoreOutput((), SlotSpec(()), ())
+        assert m.lookup(k(0), CTX) is LookupResult.MISS
+        assert m.stats().usage == 0.0
+
+
+def test_failed_store_removal_leaves_out_keys_reserved_again() -> None:
+    m = CPUOffloadingManager(4, "request-lru")
+    m.prepare_store(keys(0, 1), CTX)
+    m.complete_store(keys(0, 1), CTX, success=False)
+    m.prepare_store(keys(1), CTX)  # a retry holds k1 again before the events are drained
+    assert m.take_events() == [OffloadingEvent((k(0),), "CPU", removed=True, metadata_only=True)]
+
+
+def test_usage_gauges_count_pinned_slots() -> None:
+    m = CPUOffloadingManager(4, "request-arc")
+    store(m, 0, 1)
+    m.prepare_store(keys(2), CTX)
+    m.prepare_load(keys(0), CTX)
+    s = m.stats()
+    assert (s.write_usage, s.read_usage, s.usage) == (0.25, 0.25, 0.5)
+
+
+def test_request_arc_promotes_reuse_at_finish_and_keeps_insertions_in_t1() -> None:
+    m = CPUOffloadingManager(4, "request-arc")
+    first = ReqContext("first")
+    store_ctx(m, first, 0, 1)
+    m.on_request_finished(first)
+    policy = m.policy
+    assert isinstance(policy, RequestARCPolicy)
+    assert policy.t1_keys() == keys(1, 0) and policy.t2_keys() == []  # head most recent
+    second = ReqContext("second")
+    m.prepare_load(keys(0), second)
+    m.complete_load(keys(0), second)
+    assert policy.t2_keys() == []  # nothing moves before the request finishes
+    m.on_request_finished(second)
+    assert policy.t1_keys() == keys(1) and policy.t2_keys() == keys(0)
+
+
+def test_metrics_export_usage_gauges_and_the_allocation_histogram() -> None:
+    """kvfsm's metrics read vLLM's CPU gauges and allocation sizes from a watched CPU manager."""
+    from kvfsm.observe.metrics import KvfsmMetrics
+
+    m = CPUOffloadingManager(4, "request-lru")
+    metrics = KvfsmMetrics()
+    metrics.watch_manager(m)
+    store(m, 0, 1)
+    m.prepare_store(keys(2, 3, 4), CTX)  # 3 new keys, 2 free slots, 2 evictable: allocated
+    snap = metrics.snapshot()
+    assert snap["cpu_usage"] == {"cpu": {"all": 0.75, "store": 0.75, "load": 0.0}}
+    assert snap["allocation_sizes"] == {"cpu": {"count": 2, "keys": 5.0}}
+    hist = metrics.allocation_histograms()["cpu"].cumulative()
+    assert hist[:2] == [("1", 0.0), ("4", 2.0)]

@@ -8,6 +8,8 @@ must be added to it, so the layering is a decision, not an accident.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "kvfsm.check": BASE | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.observe"},
     "kvfsm.testing": BASE
     | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data", "kvfsm.engine", "kvfsm.check", "kvfsm.observe"},
+    # The optional vLLM integration: kvfsm's managers, tiers and copy backends behind vLLM's interfaces.
+    "kvfsm.vllm": BASE | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data"},
     "kvfsm.bench": BASE
     | {
         "kvfsm.machines",
@@ -42,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
         "kvfsm.check",
         "kvfsm.observe",
         "kvfsm.testing",
+        "kvfsm.vllm",
     },
 }
 #: Entry points may import anything: the package itself, the command line (``kvfsm check`` has its own module
@@ -51,6 +56,8 @@ ENTRY_POINTS = {"kvfsm", "kvfsm.__main__", "kvfsm.cli", "kvfsm.check.cli", "kvfs
 TORCH_FREE = {"kvfsm.errors", "kvfsm.validation", "kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.check"}
 #: Names the torch-free layers may not import at all (the data plane's libraries).
 TORCH_LIBS = {"torch", "numpy"}
+#: The one layer that may import vLLM (the optional ``kvfsm[vllm]`` extra).
+VLLM_LAYER = "kvfsm.vllm"
 
 
 def _module_name(path: Path) -> str:
@@ -121,6 +128,21 @@ def test_imports_follow_the_layers(module: str, imports: list[str]) -> None:
     if layer in TORCH_FREE:
         heavy = [name for name in imports if name.split(".")[0] in TORCH_LIBS]
         assert not heavy, f"{module} imports {heavy}; {layer} must run without torch"
+    if layer != VLLM_LAYER:
+        engine = [name for name in imports if name.split(".")[0] == "vllm"]
+        assert not engine, f"{module} imports {engine}; only {VLLM_LAYER} may import vLLM"
+
+
+def test_kvfsm_imports_without_vllm() -> None:
+    """``import kvfsm`` (and the lazy ``kvfsm.vllm`` package itself) works where vLLM cannot be imported."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # makes every `import vllm...` fail
+        "import kvfsm, kvfsm.vllm, kvfsm.vllm.config, kvfsm.control.cpu\n"
+        "try:\n    kvfsm.vllm.KvfsmOffloadingSpec\nexcept ImportError:\n    print('lazy')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "lazy"
 
 
 def test_the_top_level_holds_only_entry_points_and_the_error_hierarchy() -> None:

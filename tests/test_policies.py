@@ -6,7 +6,15 @@ import random
 
 import pytest
 
-from kvfsm.control.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvfsm.control.policies import (
+    ARCPolicy,
+    CachePolicy,
+    LRUPolicy,
+    RequestAccess,
+    RequestARCPolicy,
+    RequestLRUPolicy,
+    make_policy,
+)
 from kvfsm.control.types import OffloadKey, make_offload_key
 from kvfsm.errors import ConfigError, KeyNotReadyError
 
@@ -289,3 +297,83 @@ def test_arc_config_and_clear() -> None:
     assert p.target_t1_size == 1
     p.clear()
     assert (p.t1_keys(), p.t2_keys(), p.b1_keys(), p.b2_keys(), p.target_t1_size) == ([], [], [], [], 0)
+
+
+# -- request-scoped policies (vLLM 0.33's rules, spec/README.md "vLLM semantics") --
+
+
+def test_request_lru_orders_by_rank_not_by_the_order_keys_become_evictable() -> None:
+    p = RequestLRUPolicy()
+    for i in range(4):
+        p.insert(k(i), evictable=False)  # reserved (writing) in this order
+    for i in (3, 1, 0, 2):
+        p.mark_ready(k(i))  # committed in another order
+    assert p.keys() == [k(0), k(1), k(2), k(3)]
+    p.mark_non_evictable(k(0))  # read...
+    p.mark_evictable(k(0))  # ...and released: no recency change (vLLM), unlike LRUPolicy
+    assert p.evict(2, frozenset()) == [k(0), k(1)]
+
+
+def test_request_lru_positions_share_the_request_rank_tail_oldest() -> None:
+    p = RequestLRUPolicy()
+    positions = {k(i): 16 * i for i in range(3)}
+    access = RequestAccess(positions.get)
+    for i in (2, 0, 1):
+        p.insert(k(i), access=access)
+    p.insert(k(9))  # no position: a fresh rank, newer than the request's
+    assert p.keys() == [k(2), k(1), k(0), k(9)]
+    p.on_request_finished([k(0), k(1), k(2)], set(), set())
+    assert p.keys() == [k(9), k(2), k(1), k(0)]  # committed: the head most recent
+
+
+def test_request_arc_keeps_each_ghost_list_within_capacity_and_adapts_on_store_miss() -> None:
+    p = RequestARCPolicy(2)
+    for i in range(6):
+        p.insert(k(i))
+        if len(p) > 2:
+            assert p.evict(1, frozenset()) is not None
+    assert len(p.b1_keys()) == 2 and p.b1_keys() == [k(2), k(3)]
+    p.on_store_miss([k(3)])  # a B1 ghost offered again: T1 deserved more room
+    assert p.target_t1_size == 1.0
+    p.insert(k(3))
+    assert k(3) in p.t1_keys() and k(3) not in p.b1_keys()
+
+
+def test_request_arc_touch_keeps_a_writing_key_in_t1() -> None:
+    p = RequestARCPolicy(4)
+    p.insert(k(0), evictable=False)
+    p.insert(k(1))
+    p.touch([k(0), k(1)])
+    assert p.t1_keys() == [k(0)] and p.t2_keys() == [k(1)]
+    p.on_request_finished([k(0)], set(), {k(0)})  # reuse at finish promotes
+    assert p.t2_keys() == [k(1), k(0)]
+
+
+def test_request_arc_evicts_from_t1_while_it_reaches_the_target() -> None:
+    p = RequestARCPolicy(4)
+    for i in range(4):
+        p.insert(k(i))
+    p.touch([k(2), k(3)])  # T2: k3, k2 (touch runs last-to-first)
+    assert p.evict(2, frozenset()) == [k(0), k(1)]  # |T1| >= int(target) = 0: T1 first, then T2
+    assert p.b1_keys() == [k(0), k(1)]
+
+
+def test_make_policy_knows_the_request_scoped_names() -> None:
+    assert isinstance(make_policy("request-lru"), RequestLRUPolicy)
+    assert isinstance(make_policy("request-arc", 3), RequestARCPolicy)
+    assert make_policy("request-lru").request_scoped and not make_policy("lru").request_scoped
+
+
+def test_request_lru_batch_insert_ranks_as_one_insert_per_key() -> None:
+    positions = {k(i): 16 * i for i in (1, 3, 4)}  # k0 and k2 have no position
+    batched, single = RequestLRUPolicy(), RequestLRUPolicy()
+    a1, a2 = RequestAccess(positions.get), RequestAccess(positions.get)
+    ks = [k(i) for i in range(5)]
+    batched.insert_pending(ks, a1)
+    for key in ks:
+        single.insert(key, evictable=False, access=a2)
+    assert [batched.rank(key) for key in ks] == [single.rank(key) for key in ks]
+    assert a1.rank == a2.rank
+    with pytest.raises(KeyNotReadyError, match="already holds"):
+        batched.insert_pending([k(9), k(1)], a1)
+    assert k(9) not in batched  # nothing inserted

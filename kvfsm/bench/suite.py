@@ -18,6 +18,8 @@ Sections (``--only`` picks some):
    GB/s against ``redis-benchmark`` for the same value size, pipelined against one chunk per round trip
    and against the file-system tier, promotion latency percentiles, and the cross-instance hit rate of
    two engine processes sharing a prefix workload. Skipped (reported) without redis-server or redis-py.
+7. ``vllm`` - side by side with vLLM 0.33's own CPU manager, LRU and ARC, per manager operation
+   (:mod:`kvfsm.bench.vllm_side`; only where vLLM is installed, else reported as not available).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -62,7 +64,7 @@ __all__ = [
     "run_bench",
 ]
 
-SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification", "redis")
+SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification", "redis", "vllm")
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -587,6 +589,50 @@ def _section_redis(opts: _Options, report: BenchReport) -> str:
     return head + format_redis(numbers)
 
 
+def _section_vllm(opts: _Options, report: BenchReport) -> str:
+    from kvfsm.bench.vllm_side import MANAGER_OPS, run_side_by_side, vllm_available
+    from kvfsm.bench.workload import WorkloadConfig, generate_trace, to_keys
+
+    head = "(7) vllm: kvfsm's CPU manager side by side with vLLM 0.33's (µs per call, medians; ratio kvfsm/vLLM)\n"
+    if not vllm_available():
+        report.results["vllm"] = {"available": False, "detail": "vLLM is not installed (pip install 'kvfsm[vllm]')"}
+        return head + "  not available (vLLM is not installed: pip install 'kvfsm[vllm]')"
+    requests = to_keys(generate_trace(WorkloadConfig(distinct_blocks=20_000 if opts.quick else 100_000)))
+    rounds = 3 if opts.quick else 5
+    plan = [(policy, cap) for policy in ("lru", "arc") for cap in (0.25, 1.0)]
+    rows: list[list[object]] = []
+    results: list[dict[str, object]] = []
+    with Progress(len(plan), "vllm side by side", enabled=opts.show_progress) as bar:
+        for policy, cap in plan:
+            r = run_side_by_side(requests, policy=policy, capacity=cap, rounds=rounds)
+            bar.advance(f"{policy} {cap:.0%}")
+            results.append({"policy": policy, "capacity": cap, "us": r.us, "wall_s": r.wall_s, "hits": r.hits})
+            for op in MANAGER_OPS:
+                rows.append(
+                    [
+                        f"{policy} {cap:.0%} {op}",
+                        f"{r.us['vllm'][op]:.2f}",
+                        f"{r.us['kvfsm'][op]:.2f}",
+                        f"{r.ratio('kvfsm', op):.2f}",
+                        f"{r.us['adapter'][op]:.2f}",
+                        f"{r.ratio('adapter', op):.2f}",
+                    ]
+                )
+            worst = max(MANAGER_OPS, key=lambda op: r.ratio("kvfsm", op))
+            report.goals.append(
+                Goal(
+                    "vllm",
+                    f"every manager op <= 0.5x vLLM ({policy}, {cap:.0%})",
+                    "<= 0.5",
+                    f"worst {worst} {r.ratio('kvfsm', worst):.2f}",
+                    r.ratio("kvfsm", worst) <= 0.5,
+                )
+            )
+    report.results["vllm"] = {"available": True, "rounds": rounds, "results": results}
+    headers = ["policy, capacity, op", "vLLM", "kvfsm", "ratio", "adapter", "ratio"]
+    return head + format_table(headers, rows)
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "drain": _section_drain,
     "control": _section_control,
@@ -594,6 +640,7 @@ _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "transfers": _section_transfers,
     "verification": _section_verification,
     "redis": _section_redis,
+    "vllm": _section_vllm,
 }
 
 

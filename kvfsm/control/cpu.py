@@ -9,13 +9,16 @@ O(victims) when it evicts; only :meth:`CPUOffloadingManager.reset_cache` visits 
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import NoReturn
 
 from typing_extensions import override
 
 from kvfsm.control.manager import OffloadingManager
-from kvfsm.control.policies import CachePolicy, make_policy
+from kvfsm.control.policies import CachePolicy, KeyPosition, RequestAccess, make_policy
 from kvfsm.control.types import (
     LookupResult,
     OffloadingEvent,
@@ -28,6 +31,7 @@ from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.machines import slot_machine
 from kvfsm.machines.compiled import SpecMachine
 from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
+from kvfsm.validation import is_int
 
 __all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel", "is_evictable"]
 
@@ -69,6 +73,8 @@ class CPUCounters:
     stores_failed: int = 0
     promotions_committed: int = 0
     promotions_failed: int = 0
+    #: New keys offered for storing that the admission filter (``store_threshold``) turned away.
+    stores_skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +91,7 @@ class CPUStats:
     stores_failed: int
     promotions_committed: int
     promotions_failed: int
+    stores_skipped: int
     num_slots: int
     used: int
     writing: int
@@ -94,6 +101,21 @@ class CPUStats:
     def as_dict(self) -> dict[str, int]:
         """The same numbers by field name (logs, JSON, metrics)."""
         return asdict(self)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the slots pinned by transfers (writing or read), vLLM's cache-usage gauge; 0 with no slots."""
+        return (self.writing + self.reading) / self.num_slots if self.num_slots else 0.0
+
+    @property
+    def write_usage(self) -> float:
+        """Fraction of the slots pinned by stores still in flight."""
+        return self.writing / self.num_slots if self.num_slots else 0.0
+
+    @property
+    def read_usage(self) -> float:
+        """Fraction of the slots pinned by loads (or cascades) still reading them."""
+        return self.reading / self.num_slots if self.num_slots else 0.0
 
 
 def _show(key: OffloadKey) -> str:
@@ -125,8 +147,9 @@ class SlotModel:
         """writing -> ready; returns EMIT_STORED."""
         return self.machine.fire(self, SlotEvent.COMMIT_WRITE)
 
-    def abort_write(self) -> None:
-        self.machine.fire(self, SlotEvent.ABORT_WRITE)
+    def abort_write(self) -> SlotEffect | None:
+        """writing -> absent; returns EMIT_REMOVED (a metadata-only removal: never announced stored)."""
+        return self.machine.fire(self, SlotEvent.ABORT_WRITE)
 
     def begin_read(self) -> None:
         """One more reader (ready or reading -> reading)."""
@@ -154,6 +177,9 @@ class Slot(SlotModel):
 
     key: OffloadKey
     slot_id: int
+    #: Reservation order: a completed store's keys enter a commit-order policy in this order, whatever
+    #: order the caller lists them in (a ``set`` from vLLM included), so eviction never depends on it.
+    seq: int = 0
 
     @property
     def ref_cnt(self) -> int:
@@ -166,19 +192,26 @@ class CPUOffloadingManager(OffloadingManager):
     """``num_slots`` CPU slots with an eviction policy; GPU stores/loads and tier promotions/cascades."""
 
     __slots__ = (
+        "_allocation_sizes",
         "_answers",
+        "_counts",
         "_events",
         "_free_ids",
+        "_key_positions",
         "_machine",
+        "_max_tracker_size",
         "_medium",
         "_next_id",
+        "_next_seq",
         "_num_reading",
         "_num_ready",
         "_num_slots",
         "_num_writing",
         "_policy",
+        "_requests",
         "_slots",
         "_stats",
+        "_store_threshold",
         "enable_events",
     )
 
@@ -190,11 +223,34 @@ class CPUOffloadingManager(OffloadingManager):
         medium: str = "CPU",
         enable_events: bool = True,
         checked: bool | None = None,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
     ) -> None:
-        if num_slots < 1:
-            raise ConfigError(f"CPU tier needs at least one slot, got num_slots={num_slots}; expected >= 1")
+        if not is_int(num_slots) or num_slots < 0:
+            raise ConfigError(f"CPU tier needs a slot count, got num_slots={num_slots!r}; expected an int >= 0")
+        if not is_int(store_threshold) or store_threshold < 0:
+            raise ConfigError(f"store_threshold={store_threshold!r}; expected an int >= 0 (0 or 1: no filter)")
+        if not is_int(max_tracker_size) or max_tracker_size < 1:
+            raise ConfigError(f"max_tracker_size={max_tracker_size!r}; expected an int >= 1")
         self._num_slots = num_slots
         self._policy: CachePolicy = make_policy(policy, capacity=num_slots)
+        if num_slots == 0 and not self._policy.request_scoped:
+            # vLLM runs a manager with no chunks (its spec computes 0 when cpu_bytes_to_use is below one
+            # chunk); kvfsm's own engine treats a CPU tier without slots as the misconfiguration it is.
+            raise ConfigError(
+                f"CPU tier needs at least one slot with policy {policy!r}, got num_slots=0; expected >= 1 "
+                "(only the request-scoped policies of the vLLM route accept 0)"
+            )
+        self._store_threshold = store_threshold
+        self._max_tracker_size = max_tracker_size
+        # Admission filter (vLLM's reuse counter): how often each recent key was offered, oldest first.
+        self._counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
+        # Request-scoped policies: each live request's accesses, and how to read its keys' token positions.
+        self._requests: dict[str, RequestAccess] = {}
+        self._key_positions: dict[str, KeyPosition] = {}
+        # How many prepare_store calls tried to allocate each number of new keys (vLLM's histogram), cumulative.
+        self._allocation_sizes: Counter[int] = Counter()
+        self._next_seq = 0
         self._medium = medium
         self.enable_events = enable_events
         self._machine: SpecMachine[SlotState, SlotEvent, SlotEffect] = slot_machine(checked)
@@ -271,6 +327,19 @@ class CPUOffloadingManager(OffloadingManager):
     def __contains__(self, key: object) -> bool:
         return key in self._slots
 
+    @property
+    def store_threshold(self) -> int:
+        return self._store_threshold
+
+    def offer_counts(self) -> Mapping[OffloadKey, int] | None:
+        """The admission filter's offer counts, least recently offered first (read-only); None without one."""
+        return None if self._counts is None else MappingProxyType(self._counts)
+
+    def allocation_sizes(self) -> Mapping[int, int]:
+        """Number of new keys -> how many ``prepare_store`` calls tried to allocate that many, since the
+        manager was built (vLLM's allocation-size histogram; failed attempts included). Read-only."""
+        return MappingProxyType(self._allocation_sizes)
+
     def stats(self) -> CPUStats:
         return CPUStats(
             **asdict(self._stats),
@@ -292,22 +361,22 @@ class CPUOffloadingManager(OffloadingManager):
             result = LookupResult.HIT_PENDING
         else:
             result = LookupResult.HIT
-        self._count_lookup(ctx.req_id, key, result)
-        return result
-
-    def _count_lookup(self, req_id: str, key: OffloadKey, result: LookupResult) -> None:
-        stats = self._stats
-        answers = self._answers.setdefault(req_id, {})
+        # Counted once per request and key, under its latest answer (inline: lookup is the hottest call).
+        answers = self._answers.get(ctx.req_id)
+        if answers is None:
+            answers = self._answers[ctx.req_id] = {}
         before = answers.get(key)
+        if before is result:
+            self._stats.lookup_retries += 1
+            return result
         answers[key] = result
         if before is None:
-            stats.lookups += 1
+            self._stats.lookups += 1
         else:
-            stats.lookup_retries += 1
-            if before is result:
-                return
+            self._stats.lookup_retries += 1
             self._bump(before, -1)
         self._bump(result, 1)
+        return result
 
     def _bump(self, result: LookupResult, by: int) -> None:
         stats = self._stats
@@ -319,12 +388,59 @@ class CPUOffloadingManager(OffloadingManager):
             stats.hit_pending += by
 
     @override
+    def on_new_request(self, ctx: ReqContext, key_position: KeyPosition | None = None) -> None:
+        """A request starts. ``key_position`` maps its keys to their token positions (vLLM's
+        ``ReqContext.get_offload_key_position``); a request-scoped policy orders its keys by them."""
+        if key_position is not None:
+            self._key_positions[ctx.req_id] = key_position
+            access = self._requests.get(ctx.req_id)
+            if access is not None:
+                access.key_position = key_position
+
+    def _access(self, ctx: ReqContext) -> RequestAccess | None:
+        """The request's access record (created on first use) when the policy is request-scoped."""
+        if not self._policy.request_scoped:
+            return None
+        access = self._requests.get(ctx.req_id)
+        if access is None:
+            position = self._key_positions.get(ctx.req_id)
+            access = RequestAccess() if position is None else RequestAccess(position)
+            self._requests[ctx.req_id] = access
+        return access
+
+    def _record_access(
+        self, access: RequestAccess, keys: Iterable[OffloadKey], reused: Iterable[OffloadKey] = ()
+    ) -> None:
+        seen, groups = access.seen, access.key_groups
+        new_keys: list[OffloadKey] = []
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
+            new_keys.append(key)
+        if new_keys:
+            self._policy.on_request_access(new_keys, access)
+        inserted = access.inserted
+        # Re-reading a key this request stored is an internal transfer (a cascade), not a reuse.
+        access.reused.update(key for key in reused if key not in inserted)
+
+    @override
     def on_request_finished(self, ctx: ReqContext) -> None:
+        """A request-scoped policy commits the request's recency now (vLLM 0.33), head most recent."""
         self._answers.pop(ctx.req_id, None)
+        self._key_positions.pop(ctx.req_id, None)
+        access = self._requests.pop(ctx.req_id, None)
+        if access is not None:
+            self._policy.on_request_finished(access.ordered_keys(), access.inserted - access.reused, access.reused)
 
     @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
-        return self.prepare_read(keys)
+        spec = self.prepare_read(keys)
+        access = self._access(ctx)
+        if access is not None:
+            self._record_access(access, keys, reused=keys)
+        return spec
 
     @override
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -332,28 +448,86 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """Reserve writing slots for the offered keys not held yet, in the order offered.
+
+        With ``store_threshold >= 2`` a new key is admitted only once it has been offered that many times
+        (the count is kept for the ``max_tracker_size`` most recently offered keys). A request-scoped
+        policy also learns from the offer (ghost hits, the request's prefix order) before any early return.
+        """
+        slots = self._slots
+        offered = list(dict.fromkeys(keys))
+        if self._counts is not None:
+            self._count_offers(offered)
         new_keys: list[OffloadKey] = []
-        seen: set[OffloadKey] = set()
-        protected: set[OffloadKey] = set()
-        for key in keys:
-            if key in self._slots:
-                protected.add(key)  # held in any state: not re-stored, and not evicted by this call
-            elif key not in seen:
-                seen.add(key)
+        ready_held: list[OffloadKey] = []
+        for key in offered:
+            slot = slots.get(key)
+            if slot is None:
                 new_keys.append(key)
+            elif slot.state is not SlotState.WRITING:
+                ready_held.append(key)
+        counts = self._counts
+        if counts is not None:
+            threshold = self._store_threshold
+            admitted = [key for key in new_keys if counts.get(key, 0) >= threshold]
+            self._stats.stores_skipped += len(new_keys) - len(admitted)
+            new_keys = admitted
+        access = self._access(ctx)
+        if access is not None:
+            misses = [key for key in new_keys if key not in access.store_misses]
+            if misses:
+                self._policy.on_store_miss(misses)  # before insert() drops the ghosts
+                access.store_misses.update(misses)
+            recorded = {*new_keys, *ready_held}
+            self._record_access(access, [key for key in offered if key in recorded], reused=ready_held)
         if not new_keys:
             return _EMPTY_STORE
-        reserved = self._reserve(new_keys, protected)
+        self._allocation_sizes[len(new_keys)] += 1
+        # Every held key offered (in any state) is protected: not re-stored, and not evicted by this call.
+        reserved = self._reserve(new_keys, slots.keys() & set(offered), access)
         if reserved is None:
             return None
         slot_ids, evicted = reserved
+        if access is not None:
+            access.inserted.update(new_keys)
         return PrepareStoreOutput(tuple(new_keys), SlotSpec(slot_ids), evicted)
+
+    def _count_offers(self, keys: list[OffloadKey]) -> None:
+        """Count one more offer of each key; a full tracker forgets its least recently offered key, but
+        never one offered in this call."""
+        counts = self._counts
+        assert counts is not None
+        offered_now = 0
+        for key in keys:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                offered_now += 1
+        unprotected = len(counts) - offered_now
+        limit = self._max_tracker_size
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= limit:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[key] = 1
 
     @override
     def complete_store(self, keys: Sequence[OffloadKey], ctx: ReqContext, success: bool = True) -> None:
-        """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent)."""
-        writing = [k for k in dict.fromkeys(keys) if self.slot_state(k) is SlotState.WRITING]
-        self._finish_writes(writing, success, promotion=False)
+        """Commit (or roll back) the writing keys; keys in any other state are ignored (idempotent).
+
+        ``keys`` may come in any order (vLLM passes a set, the adapter a list of it): they are applied in
+        reservation order.
+        """
+        slots = self._slots
+        writing = [
+            slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is SlotState.WRITING
+        ]
+        writing.sort(key=_by_seq)
+        self._finish_writes([slot.key for slot in writing], success, promotion=False)
 
     @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -361,8 +535,21 @@ class CPUOffloadingManager(OffloadingManager):
 
     @override
     def take_events(self) -> list[OffloadingEvent]:
+        """Events since the last call. A failed store's removal (``metadata_only``) leaves out the keys a
+        retry has reserved again since, as vLLM does."""
         events, self._events = self._events, []
-        return events
+        if not any(e.metadata_only for e in events):
+            return events
+        slots = self._slots
+        out: list[OffloadingEvent] = []
+        for event in events:
+            if event.metadata_only:
+                kept = tuple(key for key in event.keys if key not in slots)
+                if not kept:
+                    continue
+                event = OffloadingEvent(kept, event.medium, removed=True, metadata_only=True)
+            out.append(event)
+        return out
 
     @override
     def reset_cache(self) -> None:
@@ -379,6 +566,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._free_ids.clear()
         self._num_writing = self._num_ready = self._num_reading = 0
         self._answers.clear()  # a lookup after the reset is a new one
+        self._requests.clear()  # accesses before the reset commit nothing after it
 
     # -- tier side (CPU primary of a tiering manager) --
 
@@ -444,34 +632,47 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_read(self, keys: Sequence[OffloadKey]) -> None:
         """Unpin keys pinned by :meth:`prepare_read` (once per listing); the last reader makes it ready."""
-        counts: dict[OffloadKey, int] = {}
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
-        for key, n in counts.items():
-            slot = self._slots.get(key)
-            if slot is None or slot.state is not SlotState.READING or slot.readers < n:
-                state = SlotState.ABSENT if slot is None else slot.state
-                readers = 0 if slot is None else slot.readers
-                raise InvalidTransition(
-                    "slot",
-                    str(state),
-                    str(SlotEvent.END_READ),
-                    f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
-                    "expected a reading slot with at least that many readers",
-                )
-        for key in keys:
-            slot = self._slots[key]
-            was_evictable = is_evictable(slot.state)
+        slots = self._slots
+        pinned = [slots.get(key) for key in keys]
+        if len(set(keys)) == len(pinned):  # each key once (the usual case): one check per slot
+            for key, slot in zip(keys, pinned, strict=True):
+                if slot is None or slot.state is not SlotState.READING:
+                    self._raise_end_read(key, 1)
+        else:
+            counts: dict[OffloadKey, int] = {}
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+            for key, n in counts.items():
+                slot = slots.get(key)
+                if slot is None or slot.state is not SlotState.READING or slot.readers < n:
+                    self._raise_end_read(key, n)
+        released: list[OffloadKey] = []
+        for slot in pinned:
+            assert slot is not None  # checked above
             slot.end_read()
-            if not was_evictable and is_evictable(slot.state):
-                self._policy.mark_evictable(key)
-                self._num_reading -= 1
-                self._num_ready += 1
+            if is_evictable(slot.state):  # the last reader is done (a reading slot was not evictable)
+                released.append(slot.key)
+        if released:
+            self._policy.mark_evictable_many(released)
+            self._num_reading -= len(released)
+            self._num_ready += len(released)
+
+    def _raise_end_read(self, key: OffloadKey, n: int) -> NoReturn:
+        slot = self._slots.get(key)
+        state = SlotState.ABSENT if slot is None else slot.state
+        readers = 0 if slot is None else slot.readers
+        raise InvalidTransition(
+            "slot",
+            str(state),
+            str(SlotEvent.END_READ),
+            f"key {_show(key)} has {readers} reader(s) but {n} read(s) end; "
+            "expected a reading slot with at least that many readers",
+        )
 
     # -- internals --
 
     def _reserve(
-        self, new_keys: list[OffloadKey], protected: Set[OffloadKey]
+        self, new_keys: list[OffloadKey], protected: Set[OffloadKey], access: RequestAccess | None = None
     ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
         """Evict what is needed, then BEGIN_WRITE a slot per (absent, distinct) key; None if it can't fit."""
         need = len(new_keys) - self.num_free
@@ -485,12 +686,18 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             self._evict(victims)
         machine = self._machine
+        slots, alloc = self._slots, self._alloc_id
         ids: list[int] = []
+        seq = self._next_seq
         for key in new_keys:
-            slot = Slot(key, self._alloc_id(), machine=machine)
+            seq += 1
+            slot = Slot(key, alloc(), seq, machine=machine)
             slot.begin_write()
-            self._slots[key] = slot
+            slots[key] = slot
             ids.append(slot.slot_id)
+        self._next_seq = seq
+        if self._policy.request_scoped:
+            self._policy.insert_pending(new_keys, access)  # held (not evictable) while being written
         self._num_writing += len(new_keys)
         return tuple(ids), tuple(victims)
 
@@ -514,6 +721,8 @@ class CPUOffloadingManager(OffloadingManager):
         """``writing`` holds distinct keys, all in the writing state, of GPU stores or of promotions."""
         if not writing:
             return
+        policy = self._policy
+        holds_writing = policy.request_scoped
         if success:
             stored: list[OffloadKey] = []
             for key in writing:
@@ -523,7 +732,10 @@ class CPUOffloadingManager(OffloadingManager):
                         stored.append(key)
                     case _:
                         pass
-                self._policy.insert(key, evictable=is_evictable(slot.state))
+                if not holds_writing:
+                    policy.insert(key, evictable=is_evictable(slot.state))
+            if holds_writing:
+                policy.mark_ready_many(writing)  # one batch: a request-scoped policy re-heaps once
             self._num_ready += len(writing)
             if promotion:
                 self._stats.promotions_committed += len(writing)
@@ -532,10 +744,20 @@ class CPUOffloadingManager(OffloadingManager):
             if stored and self.enable_events:
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
+            released: list[OffloadKey] = []
             for key in writing:
                 slot = self._slots.pop(key)
-                slot.abort_write()
+                match slot.abort_write():
+                    case SlotEffect.EMIT_REMOVED:
+                        released.append(key)
+                    case _:
+                        pass
+                if holds_writing:
+                    policy.remove(key)
                 self._free_ids.append(slot.slot_id)
+            if released and self.enable_events:
+                # Never announced as stored; the removal tells listeners to drop their bookkeeping.
+                self._events.append(OffloadingEvent(tuple(released), self._medium, removed=True, metadata_only=True))
             if promotion:
                 self._stats.promotions_failed += len(writing)
             else:
@@ -543,8 +765,13 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_writing -= len(writing)
 
     def _alloc_id(self) -> int:
-        if self._free_ids:
-            return self._free_ids.pop()
+        """Never-used ids first (ascending), then the most recently freed one (vLLM's chunk-pool order)."""
         slot_id = self._next_id
-        self._next_id += 1
-        return slot_id
+        if slot_id < self._num_slots:
+            self._next_id = slot_id + 1
+            return slot_id
+        return self._free_ids.pop()
+
+
+def _by_seq(slot: Slot) -> int:
+    return slot.seq

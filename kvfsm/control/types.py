@@ -70,3 +70,5 @@ class OffloadingEvent:
     keys: tuple[OffloadKey, ...]
     medium: str
     removed: bool
+    #: A removal that only releases bookkeeping (a failed store's keys, never announced as stored).
+    metadata_only: bool = False

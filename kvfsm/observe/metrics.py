@@ -21,6 +21,9 @@ Exported families:
 - ``kvfsm_job_failures_total{kind,cause}``: worker (a worker reported a failure), refused (failed before
   any launch), timeout, cancelled, reset (discarded by reset_cache); plus
   ``kvfsm_store_allocation_failures_total`` from watched schedulers;
+- ``kvfsm_cpu_cache_usage_ratio{tier,pinned_by}``: the fraction of a watched CPU manager's slots pinned by
+  transfers (``pinned_by`` = all, store or load; vLLM's CPU cache-usage gauges) and
+  ``kvfsm_cpu_allocation_size{tier}``: new keys per ``prepare_store`` (histogram, vLLM's buckets);
 - ``kvfsm_engine_state{state}``: 1 for the engine's current state;
 - ``kvfsm_stuck_jobs{kind,state}`` (gauge) and ``kvfsm_stuck_job_warnings_total{kind,state}``: the stuck-job
   detector;
@@ -55,11 +58,13 @@ from typing import Any
 
 from typing_extensions import override
 
+from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.errors import ConfigError, KvfsmError
 from kvfsm.machines.compiled import TracerHandle, add_tracer, remove_tracer
 from kvfsm.machines.loader import load_machine
 
 __all__ = [
+    "ALLOCATION_SIZE_BUCKETS",
     "DIRECTIONS",
     "GBPS_BUCKETS",
     "SECONDS_BUCKETS",
@@ -80,6 +85,8 @@ DIRECTIONS: dict[str, str] = {
 SECONDS_BUCKETS: tuple[float, ...] = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 GBPS_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 200.0)
 _TIMED = ("job", "request", "engine")
+#: vLLM 0.33's buckets of its CPU allocation-size histogram (new keys per prepare_store).
+ALLOCATION_SIZE_BUCKETS: tuple[float, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
 class MetricsUnavailable(KvfsmError, RuntimeError):
@@ -194,6 +201,7 @@ class KvfsmMetrics:
         self._time_in_state: dict[tuple[str, str, str], _Histogram] = {}
         self._gbps: dict[str, _Histogram] = {}
         self._tiers: dict[str, Callable[[], Mapping[str, int]]] = {}
+        self._cpu: dict[str, CPUOffloadingManager] = {}  # watched CPU managers (usage, allocation sizes)
         self._schedulers: list[Any] = []
         #: Jobs that entered timed_out while a scheduler is watched: id -> (job, when), pruned at each check.
         self._timed_out_at: dict[int, tuple[object, float]] = {}
@@ -229,6 +237,8 @@ class KvfsmMetrics:
     def watch_manager(self, manager: object, name: str = "cpu") -> None:
         """Watch a CPU manager, or a tiering manager's primary and every secondary tier with ``stats()``."""
         primary = getattr(manager, "primary", None)
+        if isinstance(primary, CPUOffloadingManager):
+            self._cpu[name] = primary
         if primary is not None and callable(getattr(primary, "stats", None)):
             self.watch_tier(name, _as_mapping(primary.stats))
             for i, tier in enumerate(getattr(manager, "tiers", ())):
@@ -429,6 +439,26 @@ class KvfsmMetrics:
             out[name] = {k: int(s.get(k, 0)) for k in fields}
         return out
 
+    def cpu_usage(self) -> dict[str, dict[str, float]]:
+        """Per watched CPU manager: the fraction of its slots pinned by transfers (all, store, load)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, cpu in self._cpu.items():
+            st = cpu.stats()
+            out[name] = {"all": st.usage, "store": st.write_usage, "load": st.read_usage}
+        return out
+
+    def allocation_histograms(self) -> dict[str, _Histogram]:
+        """Per watched CPU manager: its allocation sizes in vLLM's buckets, built from its cumulative counts."""
+        out: dict[str, _Histogram] = {}
+        for name, cpu in self._cpu.items():
+            h = _Histogram(ALLOCATION_SIZE_BUCKETS)
+            for size, n in cpu.allocation_sizes().items():
+                h.counts[bisect.bisect_left(h.bounds, size)] += n
+                h.total += size * n
+                h.count += n
+            out[name] = h
+        return out
+
     def snapshot(self) -> dict[str, object]:
         """Everything as plain data (for JSON, logs and tests)."""
         with self._lock:
@@ -447,6 +477,10 @@ class KvfsmMetrics:
                 },
                 "engine_state": self.engine_state,
                 "tiers": self.tier_counts(),
+                "cpu_usage": self.cpu_usage(),
+                "allocation_sizes": {
+                    n: {"count": h.count, "keys": h.total} for n, h in self.allocation_histograms().items()
+                },
                 "allocation_failures": sum(s.stats.allocation_failures for s in self._schedulers),
                 "stuck": [str(s) for s in stuck],
                 "stuck_total": {f"{k}/{s}": n for (k, s), n in sorted(self.stuck_total.items())},
@@ -501,6 +535,19 @@ class KvfsmMetrics:
             yield lookups
             yield retries
             yield evictions
+            usage = gauge(
+                "kvfsm_cpu_cache_usage_ratio",
+                "Fraction of the CPU slots pinned by transfers (all, store or load)",
+                labels=["tier", "pinned_by"],
+            )
+            for tier, by in sorted(self.cpu_usage().items()):
+                for pinned_by, value in by.items():
+                    usage.add_metric([tier, pinned_by], value)
+            yield usage
+            sizes = histogram("kvfsm_cpu_allocation_size", "New keys per prepare_store", labels=["tier"])
+            for tier, h in sorted(self.allocation_histograms().items()):
+                sizes.add_metric([tier], h.cumulative(), h.total)
+            yield sizes
             alloc = counter("kvfsm_store_allocation_failures", "Stores refused for lack of CPU space")
             alloc.add_metric([], sum(s.stats.allocation_failures for s in self._schedulers))
             yield alloc

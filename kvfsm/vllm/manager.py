@@ -1,0 +1,351 @@
+"""kvfsm's managers behind vLLM 0.33's ``OffloadingManager`` interface: a thin type adapter.
+
+All the bookkeeping is kvfsm's (:class:`kvfsm.control.cpu.CPUOffloadingManager`, or
+:class:`kvfsm.control.tiering.TieringManager` with the file-system tier); this module only converts
+vLLM's records to kvfsm's and back:
+
+- a vLLM ``ReqContext`` gets one kvfsm ``ReqContext`` of its own (kept in the context's per-request state,
+  as vLLM's managers keep theirs), registered with the context's key positions;
+- ``Collection`` arguments (vLLM passes sets) become lists; kvfsm orders them itself (reservation order);
+- kvfsm's ``SlotSpec`` becomes a ``CPULoadStoreSpec``, its events vLLM's ``OffloadingEvent`` (medium CPU);
+- ``get_stats`` reports kvfsm's counts as vLLM's CPU gauges and allocation histogram.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.manager import OffloadingManager as KvfsmManager
+from kvfsm.control.policies import CachePolicy, RequestARCPolicy
+from kvfsm.control.types import LookupResult as KvfsmLookup
+from kvfsm.control.types import OffloadKey
+from kvfsm.control.types import ReqContext as KvfsmContext
+from kvfsm.errors import ConfigKeyError
+
+__all__ = [
+    "ARCPolicyView",
+    "ChunkView",
+    "KvfsmCPUOffloadingManager",
+    "KvfsmOffloadingManager",
+    "LRUPolicyView",
+    "vllm_policy_name",
+]
+
+_LOOKUP = {
+    KvfsmLookup.MISS: LookupResult.MISS,
+    KvfsmLookup.HIT: LookupResult.HIT,
+    KvfsmLookup.HIT_PENDING: LookupResult.HIT_PENDING,
+    KvfsmLookup.RETRY: LookupResult.RETRY,
+}
+_POLICY_NAMES = {"lru": "request-lru", "arc": "request-arc"}
+
+
+def vllm_policy_name(cache_policy: str) -> str:
+    """kvfsm's policy for vLLM's ``eviction_policy`` name (``lru`` or ``arc``)."""
+    name = _POLICY_NAMES.get(cache_policy.strip().lower())
+    if name is None:
+        raise ConfigKeyError("eviction_policy", f"got {cache_policy!r}; expected 'lru' or 'arc'")
+    return name
+
+
+@dataclass(slots=True, eq=False)
+class _KvfsmRequest:
+    """kvfsm's context for one vLLM request context, stored in that context's state."""
+
+    owner: object
+    ctx: KvfsmContext
+
+
+class KvfsmOffloadingManager(OffloadingManager):
+    """Any kvfsm manager as a vLLM ``OffloadingManager`` (its CPU primary gives the stats)."""
+
+    def __init__(self, manager: KvfsmManager, info: CPUOffloadingInfo | None = None) -> None:
+        primary = manager.primary
+        if primary is None:
+            raise ConfigKeyError("spec_name", "kvfsm's vLLM adapter needs a manager with a CPU primary")
+        self.medium = Medium.CPU
+        self._manager = manager
+        self._primary: CPUOffloadingManager = primary
+        self._num_chunks = primary.num_slots
+        self._config_info: dict[str, Any] = dict(info.as_config_info()) if info is not None else {}
+        self._contexts = 0
+        self._skipped_reported = 0
+        self._sizes_reported: dict[int, int] = {}
+
+    @property
+    def kvfsm_manager(self) -> KvfsmManager:
+        """The kvfsm manager doing the work."""
+        return self._manager
+
+    def _ctx(self, req_context: Any) -> KvfsmContext:
+        state = req_context.get_state(_KvfsmRequest)
+        if isinstance(state, _KvfsmRequest) and state.owner is self:
+            return state.ctx
+        self._contexts += 1
+        # A fresh id per vLLM context: two contexts never share kvfsm's per-request state.
+        ctx = KvfsmContext(f"{req_context.req_id}#{self._contexts}")
+        req_context.set_state(_KvfsmRequest(self, ctx))
+        self._primary.on_new_request(ctx, key_position=req_context.get_offload_key_position)
+        if self._manager is not self._primary:
+            self._manager.on_new_request(ctx)
+        return ctx
+
+    # -- vLLM's OffloadingManager --
+
+    @override
+    def on_new_request(self, req_context: Any) -> Any:
+        self._ctx(req_context)
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: Any) -> Any:
+        return _LOOKUP[self._manager.lookup(key, self._ctx(req_context))]
+
+    @override
+    def get_load_source(self, key: OffloadKey, req_context: Any) -> Any:
+        return CacheHitSource.HOST
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
+        spec = self._manager.prepare_load(list(keys), self._ctx(req_context))
+        return CPULoadStoreSpec(list(spec.slot_ids))
+
+    def _prepare_load(self, keys: Collection[OffloadKey], req_context: Any, *, record_access: bool) -> Any:
+        """vLLM's tiering primary calls this; a cascade's read (``record_access=False``) is no access."""
+        if record_access:
+            return self.prepare_load(keys, req_context)
+        return CPULoadStoreSpec(list(self._primary.prepare_read(list(keys)).slot_ids))
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self._manager.touch(list(keys), self._ctx(req_context))
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        self._manager.complete_load(list(keys), self._ctx(req_context))
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
+        out = self._manager.prepare_store(list(keys), self._ctx(req_context))
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=list(out.keys_to_store),
+            store_spec=CPULoadStoreSpec(list(out.store_spec.slot_ids)),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    @override
+    def complete_store(self, keys: Collection[OffloadKey], req_context: Any, success: bool = True) -> None:
+        self._manager.complete_store(list(keys), self._ctx(req_context), success)
+
+    @override
+    def on_request_finished(self, req_context: Any) -> None:
+        state = req_context.get_state(_KvfsmRequest)
+        if isinstance(state, _KvfsmRequest) and state.owner is self:
+            self._manager.on_request_finished(state.ctx)
+
+    @override
+    def take_events(self) -> Iterator[Any]:
+        for event in self._manager.take_events():
+            yield OffloadingEvent(
+                keys=list(event.keys),
+                medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
+                removed=event.removed,
+                metadata_only=event.metadata_only,
+            )
+
+    @override
+    def on_schedule_end(self, context: Any) -> None:
+        self._manager.on_schedule_end()
+
+    @override
+    def has_pending_work(self) -> bool:
+        return self._manager.has_pending_work()
+
+    @override
+    def reset_cache(self) -> None:
+        self._manager.reset_cache()
+
+    @override
+    def config_info(self) -> Sequence[Any]:
+        return [self._config_info]
+
+    @override
+    def get_stats(self) -> Any:
+        stats = OffloadingConnectorStats()
+        snap = self._primary.stats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, snap.usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, snap.write_usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, snap.read_usage)
+        reported = self._sizes_reported
+        for size, count in self._primary.allocation_sizes().items():
+            for _ in range(count - reported.get(size, 0)):
+                stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+            reported[size] = count
+        if self._primary.store_threshold >= 2:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, snap.stores_skipped - self._skipped_reported)
+            self._skipped_reported = snap.stores_skipped
+        return stats
+
+    @override
+    def shutdown(self) -> None:
+        self._manager.shutdown()
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkView:
+    """One held chunk as vLLM's ``ChunkStatus`` shows it (read-only: assigning ``ref_cnt`` raises)."""
+
+    chunk_id: int
+    ref_cnt: int
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+
+class _ReadOnly:
+    """vLLM's policy methods that change state: a view refuses them (kvfsm's state changes only through
+    the manager's operations, each a spec'd slot transition)."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> Any:
+        raise TypeError("a read-only view of kvfsm's policy; change it through the manager")
+
+    insert = remove = touch = evict = clear = mark_evictable = mark_non_evictable = _refuse
+    on_store_miss = on_request_access = on_request_finished = _refuse
+
+
+def _chunks(primary: CPUOffloadingManager, keys: Iterable[OffloadKey]) -> OrderedDict[OffloadKey, ChunkView]:
+    out: OrderedDict[OffloadKey, ChunkView] = OrderedDict()
+    for key in keys:
+        slot_id, ref = primary.slot_id(key), primary.ref_cnt(key)
+        if slot_id is not None and ref is not None:
+            out[key] = ChunkView(slot_id, ref)
+    return out
+
+
+class ARCPolicyView(_ReadOnly, ARCCachePolicy):
+    """kvfsm's ARC state in the shape of vLLM's ``ARCCachePolicy``: T1, T2 (key -> chunk, oldest first),
+    the ghost lists and the target, each a snapshot taken when read."""
+
+    def __init__(self, primary: CPUOffloadingManager, policy: RequestARCPolicy) -> None:
+        self._primary = primary
+        self._arc = policy
+        self.cache_capacity = policy.capacity
+
+    @property
+    def t1(self) -> OrderedDict[OffloadKey, ChunkView]:
+        return _chunks(self._primary, self._arc.t1_keys())
+
+    @property
+    def t2(self) -> OrderedDict[OffloadKey, ChunkView]:
+        return _chunks(self._primary, self._arc.t2_keys())
+
+    @property
+    def b1(self) -> OrderedDict[OffloadKey, None]:
+        return OrderedDict.fromkeys(self._arc.b1_keys())
+
+    @property
+    def b2(self) -> OrderedDict[OffloadKey, None]:
+        return OrderedDict.fromkeys(self._arc.b2_keys())
+
+    @property
+    def target_t1_size(self) -> float:
+        return self._arc.target_t1_size
+
+    @override
+    def get(self, key: OffloadKey) -> ChunkView | None:
+        return _chunks(self._primary, [key]).get(key)
+
+
+class LRUPolicyView(_ReadOnly, LRUCachePolicy):
+    """kvfsm's LRU state in the shape of vLLM's ``LRUCachePolicy``: ``chunks`` (key -> chunk, least
+    recent first), a snapshot taken when read."""
+
+    def __init__(self, primary: CPUOffloadingManager, policy: CachePolicy) -> None:
+        self._primary = primary
+        self._lru = policy
+        self.cache_capacity = primary.num_slots
+
+    @property
+    def chunks(self) -> OrderedDict[OffloadKey, ChunkView]:
+        return _chunks(self._primary, self._lru.keys())
+
+    @override
+    def get(self, key: OffloadKey) -> ChunkView | None:
+        return _chunks(self._primary, [key]).get(key)
+
+
+class KvfsmCPUOffloadingManager(KvfsmOffloadingManager):
+    """kvfsm's CPU manager with vLLM's ``CPUOffloadingManager`` constructor (a drop-in for it)."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: CPUOffloadingInfo | None = None,
+        *,
+        checked: bool = False,
+    ) -> None:
+        if cache_policy_module_path is not None:
+            raise ConfigKeyError("cache_policy_module_path", "kvfsm's manager uses kvfsm's own policies; expected None")
+        manager = CPUOffloadingManager(
+            num_chunks,
+            vllm_policy_name(cache_policy),
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            checked=checked,
+        )
+        super().__init__(manager, info)
+
+    def keys_by_recency(self) -> Iterable[OffloadKey]:
+        """Held keys, least recent first (a read-only view of kvfsm's policy)."""
+        return self._primary.policy.keys()
+
+    @property
+    def counts(self) -> Mapping[OffloadKey, int] | None:
+        """The store filter's offer counts (vLLM's ``counts``), read-only."""
+        return self._primary.offer_counts()
+
+    @property
+    def stores_skipped_in_current_batch(self) -> int:
+        """Offers the store filter turned away since the last ``get_stats``."""
+        return self._primary.stats().stores_skipped - self._skipped_reported
+
+    @property
+    def _num_evictable_cache_chunks(self) -> int:
+        """Ready chunks nobody reads (vLLM's evictable count)."""
+        return self._primary.num_evictable
+
+    @property
+    def _policy(self) -> ARCPolicyView | LRUPolicyView:
+        """kvfsm's policy state where vLLM's tests look for vLLM's (``manager._policy``), read-only."""
+        policy = self._primary.policy
+        if isinstance(policy, RequestARCPolicy):
+            return ARCPolicyView(self._primary, policy)
+        return LRUPolicyView(self._primary, policy)
