@@ -10,12 +10,24 @@ graph against the real implementation (model-based tests).
 
 from __future__ import annotations
 
-from kvfsm.check.bfs import LIVENESS, ExplorationResult, Graph, Violation, describe_state, explore, format_trace
+from kvfsm.check.bfs import (
+    LIVENESS,
+    RESPONSIVENESS,
+    ExplorationResult,
+    Graph,
+    Violation,
+    describe_state,
+    explore,
+    format_trace,
+)
 from kvfsm.check.model import Bounds, Model, ModelViolation, State
+from kvfsm.check.properties import DrainMode
 
 __all__ = [
     "LIVENESS",
+    "RESPONSIVENESS",
     "Bounds",
+    "DrainMode",
     "ExplorationResult",
     "Graph",
     "Model",

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from kvfsm.check.bfs import ExplorationResult, explore, format_trace
+from kvfsm.check.bfs import ExplorationResult, explore, format_trace, mermaid_sequence
 from kvfsm.check.model import Bounds, Model
+from kvfsm.check.properties import DrainMode
 from kvfsm.cli import int_in
 from kvfsm.errors import ConfigError
 from kvfsm.observe.progress import Progress as ProgressDisplay
@@ -68,6 +69,8 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "max_states",
     "replay",
     "brief",
+    "drain",
+    "diagram",
 )
 
 
@@ -101,6 +104,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bound("--max-jobs", 0, "jobs created in all; 0: no bound")
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
     o = p.add_argument_group("run")
+    o.add_argument(
+        "--drain",
+        choices=[m.value for m in DrainMode],
+        default=None,
+        help="the engine's drain mode (spec/invariants.toml [[drain_mode]]): non_blocking (the default, #45595) "
+        "or blocking (the #42611 baseline, which responsiveness rejects)",
+    )
+    o.add_argument(
+        "--diagram", action="store_true", help="also print each counterexample as a Mermaid sequence diagram"
+    )
     o.add_argument("--keep-going", action="store_true", help="report the first violation of every invariant")
     o.add_argument("--no-liveness", action="store_true", help="skip the liveness check (and keep no edges)")
     o.add_argument(
@@ -178,9 +191,12 @@ def run(args: argparse.Namespace) -> int:
     if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:
         raise ConfigError(f"max_states must be an integer from 0 to {MAX_STATES}, got {max_states!r}")
     show = not args.quiet and not args.json
-    model = Model(bounds)
+    drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
+    if args.replay and drain is not DrainMode.NON_BLOCKING:
+        raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
+    model = Model(bounds, drain)
     if show:
-        print(f"kvfsm check: {_bounds_text(bounds)}", file=sys.stderr)
+        print(f"kvfsm check: {_bounds_text(bounds)}, drain={drain.value}", file=sys.stderr)
     with progress_display(show) as progress:
         result = explore(
             bounds,
@@ -209,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(summary, sys.stdout, indent=2)
         print()
     else:
-        _print_text(result, model, replay, brief=args.brief)
+        _print_text(result, model, replay, brief=args.brief, diagram=bool(getattr(args, "diagram", False)))
     failed = bool(result.violations) or bool(replay and (replay["mismatches"] or replay["probe_failures"]))
     return 1 if failed else 0
 
@@ -218,7 +234,9 @@ def _bounds_text(b: Bounds) -> str:
     return ", ".join(f"{k}={v}" for k, v in b.as_dict().items())
 
 
-def _print_text(result: ExplorationResult, model: Model, replay: dict[str, Any] | None, *, brief: bool) -> None:
+def _print_text(
+    result: ExplorationResult, model: Model, replay: dict[str, Any] | None, *, brief: bool, diagram: bool = False
+) -> None:
     status = "complete" if result.complete else "stopped early"
     print(
         f"{result.states:,} states, {result.edges:,} edges in {result.seconds:.2f} s "
@@ -226,10 +244,15 @@ def _print_text(result: ExplorationResult, model: Model, replay: dict[str, Any] 
         f"{status}"
         + (f", {result.pruned:,} edges pruned by --max-jobs" if result.pruned else "")
         + (", liveness checked" if result.liveness_checked else "")
+        + f"; drain={result.drain.value}, responsiveness checked on {result.responsiveness_checks:,} arrivals "
+        "while draining"
     )
     for v in result.violations:
         print()
         print(format_trace(v, model, states=not brief))
+        if diagram:
+            print()
+            print(mermaid_sequence(v, model))
     if replay is not None:
         print(
             f"replayed {replay['edges_replayed']:,} edges and {replay['probes']:,} negative probes on the "

@@ -41,10 +41,12 @@ from typing import Any, NamedTuple
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
+from kvfsm.check.properties import DrainMode, load_drain_modes
 from kvfsm.control.decisions import settle_event
 from kvfsm.errors import ConfigError, InvalidTransition
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.machines.names import (
+    EngineEffect,
     EngineEvent,
     EngineState,
     JobEffect,
@@ -201,6 +203,9 @@ class State(NamedTuple):
     resets: int
     preemptions: int
     created: int  #: jobs created (counted only when Bounds.max_jobs is set)
+    #: DrainMode.BLOCKING only: the engine-core thread is inside flush_all's wait, in the middle of a step
+    #: (the input queue is not read, no lookup or step runs) until every flushed copy has finished.
+    blocked: bool = False
 
 
 class ModelViolation(Exception):
@@ -303,6 +308,7 @@ class _World:
 
     __slots__ = (
         "arrivals",
+        "blocked",
         "created",
         "engine",
         "jobs",
@@ -329,6 +335,7 @@ class _World:
         self.resets = s.resets
         self.preemptions = s.preemptions
         self.created = s.created
+        self.blocked = s.blocked
 
     def freeze(self) -> State:
         new = tuple.__new__
@@ -347,6 +354,7 @@ class _World:
                 self.resets,
                 self.preemptions,
                 self.created,
+                self.blocked,
             ),
         )
 
@@ -381,8 +389,11 @@ _MACHINE_INVARIANT = {
 class Model:
     """The transition system: :attr:`initial`, :meth:`successors`, :meth:`invariants`, :meth:`canonical`."""
 
-    def __init__(self, bounds: Bounds | None = None) -> None:
+    def __init__(self, bounds: Bounds | None = None, drain: DrainMode = DrainMode.NON_BLOCKING) -> None:
         self.bounds = b = bounds if bounds is not None else Bounds()
+        self.drain = DrainMode(drain)
+        # The effect the spec's drain mode puts on the settle [pending_push_work] rows (flush_all: blocking).
+        self.settle_effect = load_drain_modes()[self.drain].settle_effect
         self.W = b.workers
         self.C = b.chunks
         self.S = b.slots
@@ -406,7 +417,7 @@ class Model:
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
         self.last_kept: tuple[list[int], list[int]] | None = None
-        self.initial = State(EngineState.IDLE, (), (), (ABSENT,) * b.num_keys, (), (), False, False, 0, 0, 0, 0)
+        self.initial = State(EngineState.IDLE, (), (), (ABSENT,) * b.num_keys, (), (), False, False, 0, 0, 0, 0, False)
 
     # ------------------------------------------------------------------ spec machines, memoized
 
@@ -527,9 +538,13 @@ class Model:
             return self._guard(self._finish_request, s, label[1])
         if kind == "reset":
             return self._guard(self._reset, s, -1)
+        if kind == "unblock":
+            return self._guard(self._unblock, s, -1)
         raise ModelViolation("model", f"unknown event {label!r}")
 
     def _lookup_all(self, s: State, i: int) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        if s.blocked:
+            return
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
@@ -556,6 +571,11 @@ class Model:
         if s.arrivals < b.requests:
             for p in range(b.prompts):
                 yield ("arrive", p), self._guard(self._arrive, s, p)
+        if s.blocked:
+            # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
+            if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
+                yield ("unblock",), self._guard(self._unblock, s, -1)
+            return
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
@@ -602,7 +622,8 @@ class Model:
         return s._replace(tier=tuple(tier))
 
     def _arrive(self, s: State, prompt: int) -> State:
-        engine = self.engine_event(s.engine, EngineEvent.ADMIT, False)
+        # A blocked engine does not read its input queue: the request waits there, not admitted yet.
+        engine = s.engine if s.blocked else self.engine_event(s.engine, EngineEvent.ADMIT, False)
         req = Req(RequestState.TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
         return s._replace(engine=engine, reqs=(*s.reqs, req), arrivals=s.arrivals + 1)
 
@@ -862,18 +883,60 @@ class Model:
                 for rank in range(W):
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
-        # Poll every worker, then update_connector_output with the summed reports.
+        return self._step_tail(w)
+
+    def _step_tail(self, w: _World) -> State:
+        """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
         self._report(w)
         self._finish_loads(w)
-        # The engine settles.
-        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in reqs))
+        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
         if event is EngineEvent.SETTLE:
             live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
             tier = w.tier
-            w.engine = self.engine_event(w.engine, event, self.pending_push_work(live, lambda: bool(tier)))
+            pending = self.pending_push_work(live, lambda: bool(tier))
+            if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
+                # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
+                # them inside this step; the step resumes (unblock) once every flushed copy has finished.
+                for job in w.jobs:
+                    if job[_J_STATE] in _LIVE:
+                        for rank in range(self.W):
+                            self._launch(job, rank)
+                w.blocked = True
+                return self._compact(w)
+            w.engine = self.engine_event(w.engine, event, pending)
         elif event is not None:
             w.engine = self.engine_event(w.engine, event, False)
         return self._compact(w)
+
+    def _unblock(self, s: State, _: int) -> State:
+        """flush_all's wait returns (every flushed copy finished): the step polls, commits and settles."""
+        w = _World(s)
+        w.blocked = False
+        return self._step_tail(w)
+
+    def responsiveness(self, s: State, i: int) -> str | None:
+        """Why request ``i`` of ``s`` (it just arrived while the engine drained) cannot be looked up within
+        one engine step without any transfer finishing, or None when it can (spec property responsiveness)."""
+        if any(True for _ in self._lookup_all(s, i)):
+            return None
+        if s.blocked:
+            copying = sum(sh == COPYING for job in s.jobs if job.state in _LIVE for sh in job.shards)
+            return (
+                f"the request that arrived (#{i}) is waiting while the engine is blocked in flush_all "
+                "(settle with pending push work), "
+                f"waiting for {copying} in-flight cop{'y' if copying == 1 else 'ies'}: no lookup and no step "
+                "can run until they finish"
+            )
+        if s.engine is EngineState.IDLE:
+            return f"request #{i} arrived but the engine is idle and was not admitted"
+        nxt = self.apply(s, ("step",))
+        if not isinstance(nxt, State):
+            return None  # the step itself breaks something, reported on that edge
+        kept = self.last_kept
+        j = i if kept is None else (kept[0].index(i) if i in kept[0] else -1)
+        if j < 0 or nxt.reqs[j].eng != E_WAIT or any(True for _ in self._lookup_all(nxt, j)):
+            return None
+        return f"request #{i} arrived while the engine drained and is still not looked up after one engine step"
 
     def _launch(self, job: list[Any], rank: int) -> None:
         """OffloadingWorker._launch: terminal jobs and ranks that already launched are skipped."""
