@@ -67,7 +67,7 @@ def test_bounds_are_validated() -> None:
     with pytest.raises(ConfigError, match="workers"):
         Bounds(workers=0)
     with pytest.raises(ConfigError, match="tier"):
-        Bounds(tiers=2)
+        Bounds(tiers=3)
     with pytest.raises(ConfigError, match="resets"):
         Bounds(resets=-1)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing_extensions import override
 
 from kvfsm.check.model import (
-    COPYING,
     E_NAMES,
     E_RUN,
     KIND_NAMES,
@@ -399,7 +398,10 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
         return f"worker {w}'s copy of {_job(s, j, names)} {'finishes' if ok else 'FAILS'}"
     if kind == "tier":
         rec = s.tier[label[1]]
-        return f"the tier's cascade of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+        return f"tier {rec.tier}'s cascade I/O of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+    if kind == "sync":
+        rec = s.tier[label[1]]
+        return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
     if kind == "unblock":
         return "flush_all's wait returns (every flushed copy finished): the step polls, commits and settles"
     return repr(label)
@@ -437,7 +439,9 @@ def describe_state(s: State, names: Names | None = None) -> str:
     slots = " ".join(
         f"k{k}={slot_state(code).value}" + (f"({code})" if code > 0 else "") for k, code in enumerate(s.slots)
     )
-    tier = ", ".join(f"{list(t.keys)} {'copying' if t.status == COPYING else 'done'}" for t in s.tier)
+    tier = ", ".join(
+        f"t{t.tier}{list(t.keys)} {SHARD_NAMES[t.status]}" + (" (polled)" if t.harvested else "") for t in s.tier
+    )
     engine = s.engine.value + (" BLOCKED in flush_all" if s.blocked else "")
     return (
         f"engine={engine} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "
@@ -493,6 +497,8 @@ def _translate(label: Label, maps: Canonical) -> Label:
         return (kind, maps.jobs[label[1]], maps.workers[label[2]], label[3])
     if kind == "tier":
         return (kind, maps.tier[label[1]], label[2])
+    if kind == "sync":
+        return (kind, maps.tier[label[1]])
     return label
 
 
@@ -534,6 +540,7 @@ _ARROWS: dict[str, tuple[str, str, str]] = {
     "reset": ("Engine", "Scheduler", "->>"),
     "copy": ("Workers", "Scheduler", "-->>"),
     "tier": ("Tier", "Scheduler", "-->>"),
+    "sync": ("Tier", "Tier", "-->>"),
     "unblock": ("Workers", "Engine", "-->>"),
 }
 

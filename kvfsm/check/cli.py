@@ -48,6 +48,7 @@ MAX_BOUNDS: dict[str, int] = {
     "resets": 16,
     "preemptions": 16,
     "max_jobs": 10_000,
+    "tiers": 2,
 }
 #: The largest ``--max-states`` (about what fits in memory).
 MAX_STATES = 10**9
@@ -64,6 +65,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "preemptions",
     "max_jobs",
     "no_failures",
+    "durable",
     "keep_going",
     "no_liveness",
     "max_states",
@@ -103,6 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bound("--preemptions", 0, "preemptions")
     bound("--max-jobs", 0, "jobs created in all; 0: no bound")
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
+    b.add_argument(
+        "--durable",
+        action="store_true",
+        help="the last tier syncs each cascade in the background (its own pending work)",
+    )
     o = p.add_argument_group("run")
     o.add_argument(
         "--drain",
@@ -163,6 +170,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         resets=get("resets"),
         preemptions=get("preemptions"),
         failures=not args.no_failures,
+        durable=bool(getattr(args, "durable", False)),
         max_jobs=get("max_jobs"),
     )
 
@@ -194,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
+    if args.replay and (bounds.tiers > 1 or bounds.durable):
+        raise ConfigError(
+            "--replay has one loopback tier and no durable sync; expected --tiers 0 or 1 without --durable"
+        )
     model = Model(bounds, drain)
     if show:
         print(f"kvfsm check: {_bounds_text(bounds)}, drain={drain.value}", file=sys.stderr)

@@ -10,7 +10,9 @@ code, step for step, by :mod:`kvfsm.check.replay`):
 * the connector's scheduler half: store and load jobs (the job machine), each copied by ``W`` workers
   that launch, finish and report their shards independently (a shard may fail);
 * the CPU primary tier: one slot machine per chunk key, ``S`` slots, LRU eviction;
-* optionally one write-through secondary tier whose cascades are the manager's pending work;
+* up to two write-through secondary tiers (every commit cascades to each), whose cascades are the
+  tiering manager's pending work; with ``Bounds.durable`` the last tier syncs each written cascade in the
+  background, its own ``has_pending_work()``;
 * GPU memory as ``G`` block groups (one request's blocks each), so a finished request's blocks can be
   handed to another request while its stores still read them (fences).
 
@@ -25,12 +27,21 @@ symmetry class: requests (interchangeable apart from their prompt), jobs, GPU bl
 ranks are renumbered in a deterministic order, which is sound (the representative is isomorphic to the
 state) even where it does not merge every symmetric pair.
 
+Ground truth: "a transfer remains" is judged from the model's own shard states (unlaunched, copying,
+finished but unreported, reported while still copying) and tier I/O states (copying, done, syncing), never
+by re-evaluating ``pending_push_work``; the value the engine is told is computed from the bookkeeping
+(the scheduler's awaited jobs, the tiering manager's terms) and compared with it. The components that
+answer the engine (:meth:`Model.manager_pending`, :meth:`Model.backend_reports`, :meth:`Model.tier_reports`)
+are separate methods, so that a bug planted in one (tests/planted_model_bugs.py) is caught by that ground
+truth.
+
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
-one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tier
-never hits, so there are no promotions; a flush's blocking wait always completes the copy successfully;
+one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tiers
+never hit, so there are no promotions; a flush's blocking wait always completes the copy successfully;
 no deadlines and no shutdown (the engine machine's ``shutdown`` / ``stop`` rows are not explored); a reset
 is modelled with relative job ids (a discarded job is "below the threshold" iff its id 0 is below
-``stale_threshold_after_reset(1, 0)``).
+``stale_threshold_after_reset(1, 0)``). The drain mode (:class:`~kvfsm.check.properties.DrainMode`) is
+the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` wait is the ``blocked`` flag.
 """
 
 from __future__ import annotations
@@ -67,7 +78,9 @@ __all__ = [
     "E_RUN",
     "E_WAIT",
     "LOAD",
+    "REPORTED_COPYING",
     "STORE",
+    "SYNCING",
     "TOKENS_PER_BLOCK",
     "WRITING",
     "Bounds",
@@ -94,7 +107,19 @@ STORE, LOAD = 0, 1
 KIND_NAMES = ("store", "load")
 # A worker's shard of a job.
 UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED = 0, 1, 2, 3, 4
-SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported")
+#: A shard its backend reported finished while its copy still runs (only a lying backend does that): the
+#: model's ground truth keeps the copy running until it really ends.
+REPORTED_COPYING = 5
+#: A cascade to a durable tier whose write was reported, while its fsync, directory sync and index
+#: persistence still run in the background (the tier's own has_pending_work()).
+SYNCING = 6
+SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
+#: Shard states in which a copy still runs or has not been reported: a transfer remains (ground truth).
+_UNFINISHED_SHARDS = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+#: Shard states in which a copy has not started or still runs (its memory must stay put).
+_BUSY = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
+#: Shard states in which a copy runs or has finished unreported (it holds memory until a poll hands it back).
+_UNREPORTED_COPIES = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 # A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
 ABSENT, WRITING, READY = -2, -1, 0
 
@@ -116,7 +141,8 @@ class Bounds:
     workers: int = 2  #: W, tensor-parallel workers copying each job
     slots: int = 2  #: CPU primary slots
     groups: int = 2  #: GPU block groups (one request's blocks each)
-    tiers: int = 1  #: 0, or 1 write-through secondary tier (its cascades are the manager's pending work)
+    tiers: int = 1  #: 0, 1 or 2 write-through secondary tiers (each commit cascades to every tier)
+    durable: bool = False  #: the last tier is durable: after a cascade's write it syncs in the background
     resets: int = 1  #: reset_cache calls
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
@@ -132,8 +158,10 @@ class Bounds:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"bound {name} must be a non-negative integer, got {value!r}")
-        if self.tiers > 1:
-            raise ConfigError(f"the model has at most one secondary tier, got tiers={self.tiers}")
+        if self.tiers > 2:
+            raise ConfigError(f"the model has at most two secondary tiers, got tiers={self.tiers}")
+        if self.durable and not self.tiers:
+            raise ConfigError("durable=True needs a secondary tier (tiers >= 1)")
         if self.workers > 8:
             raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
 
@@ -184,10 +212,15 @@ class JobRec(NamedTuple):
 
 
 class TierRec(NamedTuple):
-    """A cascade (primary to secondary tier) in flight: COPYING, DONE_OK or DONE_FAIL (not yet polled)."""
+    """A cascade (primary to a secondary tier) that is not over: its tier's I/O is COPYING, DONE_OK or
+    DONE_FAIL (finished, not polled yet) or SYNCING (a durable tier's background sync after the write)."""
 
     keys: tuple[int, ...]
-    status: int
+    status: int  #: the tier's I/O, the ground truth: COPYING, DONE_OK, DONE_FAIL or SYNCING
+    tier: int = 0  #: which secondary tier
+    #: the tiering manager polled it as finished (it left the manager's transfer map): an honest tier's
+    #: record is then gone or SYNCING; a lying tier's may still be COPYING
+    harvested: bool = False
 
 
 class State(NamedTuple):
@@ -295,7 +328,7 @@ def _reported(shards: Sequence[int]) -> int:
     """The job's ``reported_mask``: the ranks whose shard has reported."""
     mask = 0
     for rank, shard in enumerate(shards):
-        if shard == REPORTED:
+        if shard in (REPORTED, REPORTED_COPYING):
             mask |= 1 << rank
     return mask
 
@@ -362,7 +395,7 @@ class _World:
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
 _J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
-_T_KEYS, _T_STATUS = range(2)
+_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED = range(4)
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
 CHECKED_INVARIANTS = (
@@ -505,9 +538,57 @@ class Model:
         return [j for j in jobs if j[_J_STATE] in _LIVE]
 
     def has_pending_push_work(self, jobs: Sequence[JobRec], tier: Sequence[Any]) -> bool:
-        """The implementation's pending_push_work() over the model's awaited jobs and tier transfers."""
-        live = [j for j in jobs if j.state in _LIVE]
-        return self.pending_push_work(live, lambda: bool(tier))
+        """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
+        has_pending_work(): what the engine is told, computed from the bookkeeping."""
+        live = [j for j in jobs if j[_J_STATE] in _LIVE]
+        return self.pending_push_work(live, lambda: self.manager_pending(tier))
+
+    # ------------------------------------------------------------------ the model's components
+    #
+    # Small methods that stand for one component's answer, so that a planted bug can sit in a component
+    # (tests/planted_model_bugs.py) rather than in a pure decision shared with the implementation: the
+    # checker must then catch it by its own ground truth (the shard and tier states), not by re-asking the
+    # component.
+
+    def manager_pending(self, tier: Sequence[Any]) -> bool:
+        """TieringManager.has_pending_work(): transfers in its map, or a tier's own pending work."""
+        return self.transfers_pending(tier) or self.tiers_pending(tier)
+
+    def transfers_pending(self, tier: Sequence[Any]) -> bool:
+        """The manager's transfer-map term: cascades it has not polled as finished."""
+        return any(not t[_T_HARVESTED] for t in tier)
+
+    def tiers_pending(self, tier: Sequence[Any]) -> bool:
+        """``any(tier.has_pending_work() for tier in tiers)``: a durable tier's background sync."""
+        return any(t[_T_HARVESTED] and t[_T_STATUS] == SYNCING for t in tier)
+
+    def backend_reports(self, shard: int) -> bool | None:
+        """What a worker's copy backend reports for a shard at a poll: True (done), False (failed), None."""
+        if shard == DONE_OK:
+            return True
+        if shard == DONE_FAIL:
+            return False
+        return None
+
+    def tier_reports(self, rec: Sequence[Any]) -> bool:
+        """Whether a tier reports a cascade finished at the manager's poll (its I/O has ended)."""
+        return bool(rec[_T_STATUS] in (DONE_OK, DONE_FAIL))
+
+    # ------------------------------------------------------------------ ground truth
+
+    @staticmethod
+    def transfer_remains(s: State) -> str | None:
+        """What work remains by the model's own shard and tier states (never by asking a component): a
+        non-stale job with a shard not yet launched, copying, or finished but not reported, or a cascade
+        whose tier I/O or sync is not over. None when nothing remains."""
+        for job in s.jobs:
+            if job.state is not JobState.STALE:
+                for rank, sh in enumerate(job.shards):
+                    if sh in _UNFINISHED_SHARDS:
+                        return f"rank {rank}'s shard of a {KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
+        for rec in s.tier:
+            return f"tier {rec.tier}'s cascade of keys {list(rec.keys)} is {SHARD_NAMES[rec.status]}"
+        return None
 
     # ------------------------------------------------------------------ successors
 
@@ -523,6 +604,8 @@ class Model:
             return self._copy_done(s, label[1], label[2], label[3])
         if kind == "tier":
             return self._tier_done(s, label[1], label[2])
+        if kind == "sync":
+            return self._sync_done(s, label[1])
         if kind == "arrive":
             return self._guard(self._arrive, s, label[1])
         if kind == "lookup":
@@ -563,10 +646,14 @@ class Model:
                 if shard == COPYING:
                     for ok in outcomes:
                         yield ("copy", j, w, ok), self._copy_done(s, j, w, ok)
+                elif shard == REPORTED_COPYING:  # already reported: only its end is left
+                    yield ("copy", j, w, True), self._copy_done(s, j, w, True)
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
                 for ok in outcomes:
                     yield ("tier", c, ok), self._tier_done(s, c, ok)
+            elif rec.status == SYNCING:
+                yield ("sync", c), self._sync_done(s, c)
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
@@ -611,15 +698,32 @@ class Model:
     def _copy_done(self, s: State, j: int, w: int, ok: bool) -> State:
         job = s.jobs[j]
         shards = list(job.shards)
-        shards[w] = DONE_OK if ok else DONE_FAIL
+        shards[w] = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
         jobs = list(s.jobs)
         jobs[j] = job._replace(shards=tuple(shards))
         return s._replace(jobs=tuple(jobs))
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
+        """The tier's I/O for cascade ``c`` ends (ok or failed)."""
         tier = list(s.tier)
-        tier[c] = TierRec(tier[c].keys, DONE_OK if ok else DONE_FAIL)
+        rec = tier[c]
+        if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
+            if ok and self._durable(rec.tier):
+                tier[c] = rec._replace(status=SYNCING)
+            else:
+                del tier[c]
+        else:
+            tier[c] = rec._replace(status=DONE_OK if ok else DONE_FAIL)
         return s._replace(tier=tuple(tier))
+
+    def _sync_done(self, s: State, c: int) -> State:
+        """A durable tier's background sync of cascade ``c`` finishes: the data is durable."""
+        tier = list(s.tier)
+        del tier[c]
+        return s._replace(tier=tuple(tier))
+
+    def _durable(self, t: int) -> bool:
+        return self.bounds.durable and t == self.bounds.tiers - 1
 
     def _arrive(self, s: State, prompt: int) -> State:
         # A blocked engine does not read its input queue: the request waits there, not admitted yet.
@@ -730,10 +834,19 @@ class Model:
     def _poll(self, w: _World) -> None:
         """TieringManager._poll: apply every finished cascade, in the tier's report order (by keys)."""
         w.polled = True
-        done = sorted((t for t in w.tier if t[_T_STATUS] != COPYING), key=lambda t: t[_T_KEYS])
+        done = sorted(
+            (t for t in w.tier if not t[_T_HARVESTED] and self.tier_reports(t)), key=lambda t: (t[_T_TIER], t[_T_KEYS])
+        )
         if not done:
             return
-        w.tier = [t for t in w.tier if t[_T_STATUS] == COPYING]
+        kept = []
+        for t in w.tier:
+            if t[_T_HARVESTED] or not self.tier_reports(t):
+                kept.append(t)
+            elif t[_T_STATUS] == COPYING or (t[_T_STATUS] == DONE_OK and self._durable(t[_T_TIER])):
+                # Reported, but the tier's I/O (a lie) or a durable tier's sync still runs.
+                kept.append([t[_T_KEYS], SYNCING if t[_T_STATUS] == DONE_OK else COPYING, t[_T_TIER], True])
+        w.tier = kept
         for t in done:
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
             for key in t[_T_KEYS]:
@@ -780,9 +893,10 @@ class Model:
                 w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
         if success and self.bounds.tiers:
             cascade = tuple(writing)
-            for key in cascade:
-                self._begin_read(w, key)
-            w.tier.append([cascade, COPYING])
+            for t in range(self.bounds.tiers):  # written through to every tier, each cascade pinning the keys
+                for key in cascade:
+                    self._begin_read(w, key)
+                w.tier.append([cascade, COPYING, t, False])
 
     def _complete_load(self, w: _World, keys: Sequence[int]) -> None:
         for key in keys:
@@ -893,7 +1007,7 @@ class Model:
         if event is EngineEvent.SETTLE:
             live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
             tier = w.tier
-            pending = self.pending_push_work(live, lambda: bool(tier))
+            pending = self.pending_push_work(live, lambda: self.manager_pending(tier))
             if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
                 # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
                 # them inside this step; the step resumes (unblock) once every flushed copy has finished.
@@ -990,11 +1104,15 @@ class Model:
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
-            ok = [r for r, sh in enumerate(shards) if sh == DONE_OK]
-            bad = [r for r, sh in enumerate(shards) if sh == DONE_FAIL]
+            said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
+            ok = [r for r, x in enumerate(said) if x is True]
+            bad = [r for r, x in enumerate(said) if x is False]
             if ok or bad:
                 reported[j] = _reported(shards)
-                job[_J_SHARDS] = tuple(REPORTED if sh in (DONE_OK, DONE_FAIL) else sh for sh in shards)
+                job[_J_SHARDS] = tuple(
+                    sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
+                    for sh, x in zip(shards, said, strict=True)
+                )
                 if bad:
                     failed[j] = bad
                 if ok:
@@ -1082,7 +1200,7 @@ class Model:
         keep_jobs = [
             n
             for n, j in enumerate(jobs)
-            if j[_J_STATE] in _LIVE or any(sh in (COPYING, DONE_OK, DONE_FAIL) for sh in j[_J_SHARDS])
+            if j[_J_STATE] in _LIVE or any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
         ]
         if len(keep_jobs) != len(jobs):
             w.jobs = [jobs[n] for n in keep_jobs]
@@ -1119,6 +1237,7 @@ class Model:
                 if t[_T_STATUS] == COPYING:
                     t[_T_STATUS] = DONE_OK
             self._poll(w)
+            w.tier = []  # drain_pending_work: every tier's writes and syncs are done
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
             if job[_J_STATE] in _LIVE:
@@ -1153,17 +1272,21 @@ class Model:
         out: list[tuple[str, str]] = []
         live = [j for j in s.jobs if j.state in _LIVE]
         tier = s.tier
-        ground_truth = bool(live or tier)
-        if ground_truth and not self.pending_push_work(live, lambda: bool(tier)):
-            what = f"{len(live)} awaited job(s)" if live else f"{len(tier)} tier transfer(s)"
-            out.append(("pending_work_covers_jobs", f"{what} in flight but has_pending_push_work() is False"))
-        if s.engine is EngineState.IDLE and ground_truth:
-            out.append(("idle_only_when_nothing_pending", "the engine is idle while transfers are pending"))
+        # Ground truth from the model's own shard and tier states, against what the engine is told (the
+        # implementation's has_pending_push_work() over the scheduler's and the manager's bookkeeping).
+        remains = self.transfer_remains(s)
+        if remains is not None and not self.has_pending_push_work(s.jobs, tier):
+            out.append(("pending_work_covers_jobs", f"{remains} but has_pending_push_work() is False"))
+        if s.engine is EngineState.IDLE:
+            if remains is not None:
+                out.append(("idle_only_when_nothing_pending", f"the engine is idle while {remains}"))
+            elif any(sh in _UNREPORTED_COPIES for j in s.jobs for sh in j.shards):
+                out.append(("idle_only_when_nothing_pending", "the engine is idle while a discarded job's copy runs"))
         stale_busy = False
         fresh_busy = False
         for job in s.jobs:
-            busy = any(sh in (UNLAUNCHED, COPYING) for sh in job.shards)
-            copying = COPYING in job.shards
+            busy = any(sh in _BUSY for sh in job.shards)
+            copying = COPYING in job.shards or REPORTED_COPYING in job.shards
             if job.state is JobState.STALE:
                 stale_busy = stale_busy or copying
             else:
@@ -1193,16 +1316,28 @@ class Model:
                                 f"key {key} is {slot_state(s.slots[key]).value} while a load still reads it",
                             )
                         )
+        # Every cascade whose tier I/O still runs holds one reader of each of its keys (ground truth: the
+        # I/O state, whatever the manager was told), on top of the busy loads'.
+        readers: dict[int, int] = {}
         for rec in tier:
             if rec.status == COPYING:
                 for key in rec.keys:
-                    if s.slots[key] < 1:
-                        out.append(
-                            (
-                                "evict_only_ready_unreferenced",
-                                f"key {key} is {slot_state(s.slots[key]).value} while a cascade reads it",
-                            )
+                    readers[key] = readers.get(key, 0) + 1
+        if readers:
+            for job in s.jobs:
+                if job.kind == LOAD and job.state is not JobState.STALE and any(sh in _BUSY for sh in job.shards):
+                    for key in job.keys:
+                        readers[key] = readers.get(key, 0) + 1
+            for key, n in readers.items():
+                if s.slots[key] < n:
+                    out.append(
+                        (
+                            "evict_only_ready_unreferenced",
+                            f"key {key} is {slot_state(s.slots[key]).value}"
+                            + (f"({s.slots[key]})" if s.slots[key] > 0 else "")
+                            + f" while {n} transfer(s) still read it",
                         )
+                    )
         if stale_busy and fresh_busy:
             out.append(
                 (
