@@ -26,6 +26,7 @@ from kvfsm.check.model import COPYING, DONE_FAIL, DONE_OK, Model
 __all__ = [
     "PLANTED_MODEL_BUGS",
     "plant_backend_reports_running_copies",
+    "plant_promotion_from_wrong_tier",
     "plant_tier_reports_before_io",
     "plant_tiering_ignores_tiers",
     "plant_tiering_ignores_transfers",
@@ -95,3 +96,22 @@ PLANTED_MODEL_BUGS: dict[str, tuple[Plant, Bounds]] = {
     "backend_reports_running_copies": (plant_backend_reports_running_copies, DEFAULT),
     "tier_reports_before_io": (plant_tier_reports_before_io, DEFAULT),
 }
+
+
+@contextmanager
+def plant_promotion_from_wrong_tier(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The tiering manager promotes a key from its first tier whenever any tier answers HIT, even when
+    only a later tier holds it (the first one's cascade failed)."""
+
+    def buggy(self: Model, held: Sequence[int], key: int) -> int | None:
+        return 0 if any(mask >> key & 1 for mask in held) else None
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "promotion_source", buggy)
+        yield
+
+
+#: Two tiers that hit what they hold, for the promotion bug.
+PROMOTING = Bounds(requests=2, prompts=1, chunks=2, slots=2, groups=2, tiers=2, promotions=True, resets=1)
+
+PLANTED_MODEL_BUGS["promotion_from_wrong_tier"] = (plant_promotion_from_wrong_tier, PROMOTING)

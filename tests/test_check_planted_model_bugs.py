@@ -22,7 +22,8 @@ EXPECTED: dict[str, tuple[str, int]] = {
     "tiering_ignores_transfers": ("pending_work_covers_jobs", 4),
     "tiering_ignores_tiers": ("pending_work_covers_jobs", 6),
     "backend_reports_running_copies": ("readable_only_after_commit", 3),
-    "tier_reports_before_io": ("pending_work_covers_jobs", 5),
+    "tier_reports_before_io": ("evict_only_ready_unreferenced", 5),
+    "promotion_from_wrong_tier": ("readable_only_after_commit", 7),
 }
 
 
@@ -72,3 +73,14 @@ def test_two_tiers_and_a_durable_tier_hold_every_property() -> None:
     ]
     assert only_tier and all(model.has_pending_push_work(s.jobs, s.tier) for s in only_tier)
     assert all(not model.transfers_pending(s.tier) for s in only_tier)
+
+
+def test_promotions_from_two_tiers_hold_every_property() -> None:
+    """Both tiers hit what they hold; a lookup promotes from the first that does, and a failed cascade to
+    tier 0 leaves tier 1 as the only source."""
+    bounds = Bounds(requests=2, prompts=1, chunks=1, slots=1, groups=1, tiers=2, promotions=True, resets=1)
+    result = explore(bounds)
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.graph is not None
+    promoted_from = {t.tier for s in result.graph.states for t in s.tier if t.promote}
+    assert promoted_from == {0, 1}

@@ -398,7 +398,8 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
         return f"worker {w}'s copy of {_job(s, j, names)} {'finishes' if ok else 'FAILS'}"
     if kind == "tier":
         rec = s.tier[label[1]]
-        return f"tier {rec.tier}'s cascade I/O of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+        what = "promotion" if rec.promote else "cascade"
+        return f"tier {rec.tier}'s {what} I/O of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
     if kind == "sync":
         rec = s.tier[label[1]]
         return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
@@ -440,8 +441,14 @@ def describe_state(s: State, names: Names | None = None) -> str:
         f"k{k}={slot_state(code).value}" + (f"({code})" if code > 0 else "") for k, code in enumerate(s.slots)
     )
     tier = ", ".join(
-        f"t{t.tier}{list(t.keys)} {SHARD_NAMES[t.status]}" + (" (polled)" if t.harvested else "") for t in s.tier
+        f"t{t.tier}{'>promote' if t.promote else ''}{list(t.keys)} {SHARD_NAMES[t.status]}"
+        + (" (polled)" if t.harvested else "")
+        for t in s.tier
     )
+    if s.held:
+        tier += " held: " + " ".join(
+            f"t{t}={[k for k in range(len(s.slots)) if mask >> k & 1]}" for t, mask in enumerate(s.held)
+        )
     engine = s.engine.value + (" BLOCKED in flush_all" if s.blocked else "")
     return (
         f"engine={engine} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "

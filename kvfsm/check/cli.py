@@ -66,6 +66,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "max_jobs",
     "no_failures",
     "durable",
+    "promotions",
     "keep_going",
     "no_liveness",
     "max_states",
@@ -109,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--durable",
         action="store_true",
         help="the last tier syncs each cascade in the background (its own pending work)",
+    )
+    b.add_argument(
+        "--promotions", action="store_true", help="the tiers hit what they hold: lookups promote it into the primary"
     )
     o = p.add_argument_group("run")
     o.add_argument(
@@ -171,6 +175,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         preemptions=get("preemptions"),
         failures=not args.no_failures,
         durable=bool(getattr(args, "durable", False)),
+        promotions=bool(getattr(args, "promotions", False)),
         max_jobs=get("max_jobs"),
     )
 
@@ -202,9 +207,10 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
-    if args.replay and (bounds.tiers > 1 or bounds.durable):
+    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions):
         raise ConfigError(
-            "--replay has one loopback tier and no durable sync; expected --tiers 0 or 1 without --durable"
+            "--replay has one loopback tier that never hits and no durable sync; expected --tiers 0 or 1 "
+            "without --durable or --promotions"
         )
     model = Model(bounds, drain)
     if show:

@@ -143,6 +143,7 @@ class Bounds:
     groups: int = 2  #: GPU block groups (one request's blocks each)
     tiers: int = 1  #: 0, 1 or 2 write-through secondary tiers (each commit cascades to every tier)
     durable: bool = False  #: the last tier is durable: after a cascade's write it syncs in the background
+    promotions: bool = False  #: the tiers answer HIT for what they hold: a lookup promotes it into the primary
     resets: int = 1  #: reset_cache calls
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
@@ -162,6 +163,8 @@ class Bounds:
             raise ConfigError(f"the model has at most two secondary tiers, got tiers={self.tiers}")
         if self.durable and not self.tiers:
             raise ConfigError("durable=True needs a secondary tier (tiers >= 1)")
+        if self.promotions and not self.tiers:
+            raise ConfigError("promotions=True needs a secondary tier (tiers >= 1)")
         if self.workers > 8:
             raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
 
@@ -221,6 +224,8 @@ class TierRec(NamedTuple):
     #: the tiering manager polled it as finished (it left the manager's transfer map): an honest tier's
     #: record is then gone or SYNCING; a lying tier's may still be COPYING
     harvested: bool = False
+    #: a promotion (tier to primary) rather than a cascade; UNLAUNCHED while it is queued for the step
+    promote: bool = False
 
 
 class State(NamedTuple):
@@ -239,6 +244,9 @@ class State(NamedTuple):
     #: DrainMode.BLOCKING only: the engine-core thread is inside flush_all's wait, in the middle of a step
     #: (the input queue is not read, no lookup or step runs) until every flushed copy has finished.
     blocked: bool = False
+    #: Bounds.promotions only: per secondary tier, the bitmask of keys whose copy it holds (ground truth:
+    #: a cascade's I/O that succeeded wrote it; a failed promotion invalidates it)
+    held: tuple[int, ...] = ()
 
 
 class ModelViolation(Exception):
@@ -344,6 +352,7 @@ class _World:
         "blocked",
         "created",
         "engine",
+        "held",
         "jobs",
         "lru",
         "polled",
@@ -369,6 +378,7 @@ class _World:
         self.preemptions = s.preemptions
         self.created = s.created
         self.blocked = s.blocked
+        self.held = list(s.held)
 
     def freeze(self) -> State:
         new = tuple.__new__
@@ -388,6 +398,7 @@ class _World:
                 self.preemptions,
                 self.created,
                 self.blocked,
+                tuple(self.held),
             ),
         )
 
@@ -395,7 +406,7 @@ class _World:
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
 _J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
-_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED = range(4)
+_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED, _T_PROMOTE = range(5)
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
 CHECKED_INVARIANTS = (
@@ -450,7 +461,22 @@ class Model:
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
         self.last_kept: tuple[list[int], list[int]] | None = None
-        self.initial = State(EngineState.IDLE, (), (), (ABSENT,) * b.num_keys, (), (), False, False, 0, 0, 0, 0, False)
+        self.initial = State(
+            EngineState.IDLE,
+            (),
+            (),
+            (ABSENT,) * b.num_keys,
+            (),
+            (),
+            False,
+            False,
+            0,
+            0,
+            0,
+            0,
+            False,
+            (0,) * b.tiers if b.promotions else (),
+        )
 
     # ------------------------------------------------------------------ spec machines, memoized
 
@@ -555,8 +581,9 @@ class Model:
         return self.transfers_pending(tier) or self.tiers_pending(tier)
 
     def transfers_pending(self, tier: Sequence[Any]) -> bool:
-        """The manager's transfer-map term: cascades it has not polled as finished."""
-        return any(not t[_T_HARVESTED] for t in tier)
+        """The manager's transfer-map term: cascades and promotions it has not polled as finished (queued
+        promotions are not in the map yet: the step that follows their lookup submits them)."""
+        return any(not t[_T_HARVESTED] and not (t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED) for t in tier)
 
     def tiers_pending(self, tier: Sequence[Any]) -> bool:
         """``any(tier.has_pending_work() for tier in tiers)``: a durable tier's background sync."""
@@ -571,8 +598,15 @@ class Model:
         return None
 
     def tier_reports(self, rec: Sequence[Any]) -> bool:
-        """Whether a tier reports a cascade finished at the manager's poll (its I/O has ended)."""
+        """Whether a tier reports a cascade or promotion finished at the manager's poll (its I/O ended)."""
         return bool(rec[_T_STATUS] in (DONE_OK, DONE_FAIL))
+
+    def promotion_source(self, held: Sequence[int], key: int) -> int | None:
+        """TieringManager.lookup: the first tier (in order) whose lookup answers HIT for ``key``, or None."""
+        for t, mask in enumerate(held):
+            if mask >> key & 1:
+                return t
+        return None
 
     # ------------------------------------------------------------------ ground truth
 
@@ -587,7 +621,9 @@ class Model:
                     if sh in _UNFINISHED_SHARDS:
                         return f"rank {rank}'s shard of a {KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
         for rec in s.tier:
-            return f"tier {rec.tier}'s cascade of keys {list(rec.keys)} is {SHARD_NAMES[rec.status]}"
+            if not (rec.promote and rec.status == UNLAUNCHED):  # a queued promotion is a reservation
+                what = "promotion" if rec.promote else "cascade"
+                return f"tier {rec.tier}'s {what} of keys {list(rec.keys)} is {SHARD_NAMES[rec.status]}"
         return None
 
     # ------------------------------------------------------------------ successors
@@ -708,12 +744,17 @@ class Model:
         tier = list(s.tier)
         rec = tier[c]
         if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
-            if ok and self._durable(rec.tier):
+            if ok and self._durable(rec.tier) and not rec.promote:
                 tier[c] = rec._replace(status=SYNCING)
             else:
                 del tier[c]
         else:
             tier[c] = rec._replace(status=DONE_OK if ok else DONE_FAIL)
+        if ok and s.held and not rec.promote:  # the tier now holds a copy of the cascaded keys
+            held = list(s.held)
+            for key in rec.keys:
+                held[rec.tier] |= 1 << key
+            return s._replace(tier=tuple(tier), held=tuple(held))
         return s._replace(tier=tuple(tier))
 
     def _sync_done(self, s: State, c: int) -> State:
@@ -760,10 +801,16 @@ class Model:
         being_loaded = {k for j in w.jobs if j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for k in j[_J_KEYS]}
         hits = 0
         must_wait = False
+        scanned: set[int] = set()
         for key in self.prompt_keys[r[_R_PROMPT]]:
             code = w.slots[key]
             if code == ABSENT:
-                break  # the tier answers MISS too
+                src = self.promotion_source(w.held, key) if w.held else None
+                if src is not None and self._reserve(w, key, scanned):
+                    w.tier.append([(key,), UNLAUNCHED, src, False, True])
+                    must_wait = True  # HIT_PENDING: the request defers until the promotion commits
+                break  # else MISS: compute the rest
+            scanned.add(key)
             if code == WRITING:
                 must_wait = True
                 break
@@ -843,11 +890,26 @@ class Model:
         for t in w.tier:
             if t[_T_HARVESTED] or not self.tier_reports(t):
                 kept.append(t)
-            elif t[_T_STATUS] == COPYING or (t[_T_STATUS] == DONE_OK and self._durable(t[_T_TIER])):
+            elif t[_T_STATUS] == COPYING or (
+                t[_T_STATUS] == DONE_OK and self._durable(t[_T_TIER]) and not t[_T_PROMOTE]
+            ):
                 # Reported, but the tier's I/O (a lie) or a durable tier's sync still runs.
-                kept.append([t[_T_KEYS], SYNCING if t[_T_STATUS] == DONE_OK else COPYING, t[_T_TIER], True])
+                status = SYNCING if t[_T_STATUS] == DONE_OK else COPYING
+                kept.append([t[_T_KEYS], status, t[_T_TIER], True, t[_T_PROMOTE]])
         w.tier = kept
         for t in done:
+            if t[_T_PROMOTE]:
+                # The promotion's job commits (the slot becomes readable) or releases it, and a failed
+                # promotion invalidates the tier's copy (#49176).
+                ok = t[_T_STATUS] != DONE_FAIL
+                for key in t[_T_KEYS]:
+                    if ok:
+                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.COMMIT_WRITE)
+                        w.lru.append(key)
+                    else:
+                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.ABORT_WRITE)
+                        w.held[t[_T_TIER]] &= ~(1 << key)
+                continue
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
             for key in t[_T_KEYS]:
                 self._end_read(w, key)
@@ -855,6 +917,19 @@ class Model:
     def _maybe_poll(self, w: _World) -> None:
         if self.bounds.tiers and not w.polled:
             self._poll(w)
+
+    def _reserve(self, w: _World, key: int, protected: set[int]) -> bool:
+        """primary.prepare_write([key], protected): reserve a slot for a promotion, evicting only an
+        unprotected ready slot (this scan's hits are protected); False when none is left (the key MISSes)."""
+        held = sum(1 for code in w.slots if code != ABSENT)
+        if held >= self.S:
+            victims = [k for k in w.lru if k not in protected]
+            if not victims:
+                return False
+            w.lru.remove(victims[0])
+            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], SlotEvent.EVICT, "evict_only_ready_unreferenced")
+        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+        return True
 
     def _prepare_store(self, w: _World, keys: Sequence[int]) -> tuple[int, ...] | None:
         """CPUOffloadingManager.prepare_store: the keys to store, () if none is new, None if they can't fit."""
@@ -896,7 +971,7 @@ class Model:
             for t in range(self.bounds.tiers):  # written through to every tier, each cascade pinning the keys
                 for key in cascade:
                     self._begin_read(w, key)
-                w.tier.append([cascade, COPYING, t, False])
+                w.tier.append([cascade, COPYING, t, False, False])
 
     def _complete_load(self, w: _World, keys: Sequence[int]) -> None:
         for key in keys:
@@ -933,8 +1008,11 @@ class Model:
         new_jobs_from = len(w.jobs)
 
         # build_connector_meta
-        if self.bounds.tiers:  # manager.on_schedule_end: poll, then reopen the gate
+        if self.bounds.tiers:  # manager.on_schedule_end: poll, submit the queued promotions, reopen the gate
             self._poll(w)
+            for t in w.tier:
+                if t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED:
+                    t[_T_STATUS] = COPYING
             w.polled = False
         flush: set[int] = set()
         if preempt >= 0:
@@ -1236,8 +1314,11 @@ class Model:
             for t in w.tier:
                 if t[_T_STATUS] == COPYING:
                     t[_T_STATUS] = DONE_OK
+                    if w.held and not t[_T_PROMOTE]:
+                        for key in t[_T_KEYS]:
+                            w.held[t[_T_TIER]] |= 1 << key
             self._poll(w)
-            w.tier = []  # drain_pending_work: every tier's writes and syncs are done
+            w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
             if job[_J_STATE] in _LIVE:
@@ -1320,7 +1401,24 @@ class Model:
         # I/O state, whatever the manager was told), on top of the busy loads'.
         readers: dict[int, int] = {}
         for rec in tier:
-            if rec.status == COPYING:
+            if rec.promote:
+                for key in rec.keys:
+                    if s.slots[key] != WRITING:
+                        out.append(
+                            (
+                                "readable_only_after_commit",
+                                f"key {key} is {slot_state(s.slots[key]).value} while its promotion from tier "
+                                f"{rec.tier} is {SHARD_NAMES[rec.status]}",
+                            )
+                        )
+                    if s.held and not s.held[rec.tier] >> key & 1:
+                        out.append(
+                            (
+                                "readable_only_after_commit",
+                                f"key {key} is promoted from tier {rec.tier}, which holds no copy of it",
+                            )
+                        )
+            elif rec.status == COPYING:
                 for key in rec.keys:
                     readers[key] = readers.get(key, 0) + 1
         if readers:
