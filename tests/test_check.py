@@ -274,3 +274,16 @@ def test_cli_check_refuses_replay_of_the_blocking_baseline(capsys: pytest.Captur
     assert main(["check", "--drain", "blocking", "--replay", "--quiet"]) != 0
     err = capsys.readouterr().err
     assert "non_blocking" in err and "Traceback" not in err
+
+
+def test_cli_check_replay_drives_the_implementation_along_the_counterexample(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bug planted in a shared decision: the real scheduler follows the checker's counterexample and then
+    refuses the violating late ack (UnknownJobError), and the command says so."""
+    monkeypatch.setattr(scheduler_mod, "stale_threshold_after_reset", lambda counter, threshold: threshold)
+    args = ["check", "--requests", "1", "--prompts", "1", "--chunks", "1", "--slots", "1", "--groups", "1"]
+    assert main([*args, "--tiers", "0", "--preemptions", "0", "--quiet", "--brief", "--replay"]) == 1
+    out = capsys.readouterr().out
+    assert "the implementation follows the stale_ids_ignored counterexample for 4 events" in out
+    assert "UnknownJobError" in out

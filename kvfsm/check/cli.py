@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from kvfsm.check.bfs import ExplorationResult, explore, format_trace, mermaid_sequence
+from kvfsm.check.bfs import ExplorationResult, Violation, explore, format_trace, mermaid_sequence
 from kvfsm.check.model import Bounds, Model
 from kvfsm.check.properties import DrainMode
 from kvfsm.cli import int_in
@@ -29,6 +29,7 @@ __all__ = [
     "add_arguments",
     "bounds_from",
     "explore_options_given",
+    "replay_counterexample",
     "run",
 ]
 
@@ -134,7 +135,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"stop after this many states (0: no limit, the default; at most {MAX_STATES:,})",
     )
-    o.add_argument("--replay", action="store_true", help="also replay every edge on the implementation and probe it")
+    o.add_argument(
+        "--replay",
+        action="store_true",
+        help="also replay every edge on the implementation and probe it; with a violation, replay its counterexample",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress display")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--brief", action="store_true", help="counterexamples without the state after each event")
@@ -239,13 +244,45 @@ def run(args: argparse.Namespace) -> int:
             "probe_failures": rep.probe_failures[:20],
         }
         summary["replay"] = replay
+    followed: list[str] = []
+    if args.replay and result.violations:
+        followed = [replay_counterexample(v, model) for v in result.violations]
+        summary["counterexample_replays"] = followed
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
     else:
         _print_text(result, model, replay, brief=args.brief, diagram=bool(getattr(args, "diagram", False)))
+        for line in followed:
+            print(line)
     failed = bool(result.violations) or bool(replay and (replay["mismatches"] or replay["probe_failures"]))
     return 1 if failed else 0
+
+
+def replay_counterexample(v: Violation, model: Model) -> str:
+    """Drive the implementation along a counterexample (``kvfsm check --replay`` when a violation is found)
+    and say, in one line, whether the real code follows it event for event."""
+    from kvfsm.check.replay import abstract, replay_path
+    from kvfsm.errors import KvfsmError
+
+    try:
+        h = replay_path(model.bounds, model, v.path, v.states)
+    except (AssertionError, KvfsmError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"the implementation does NOT follow the {v.invariant} counterexample: {first}"
+    if v.label is None:
+        return f"the implementation follows all {v.length} events of the {v.invariant} counterexample"
+    _, refs = abstract(h, model)
+    try:
+        h.apply(v.label, refs)
+    except KvfsmError as exc:
+        return (
+            f"the implementation follows the {v.invariant} counterexample for {len(v.path)} events and refuses "
+            f"the violating one: {type(exc).__name__}: {exc}"
+        )
+    return (
+        f"the implementation follows all {v.length} events of the {v.invariant} counterexample, the violating one too"
+    )
 
 
 def _bounds_text(b: Bounds) -> str:
