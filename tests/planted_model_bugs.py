@@ -26,7 +26,9 @@ from kvfsm.check.model import COPYING, DONE_FAIL, DONE_OK, Model
 __all__ = [
     "PLANTED_MODEL_BUGS",
     "plant_backend_reports_running_copies",
+    "plant_deadline_queue_loses_entries",
     "plant_promotion_from_wrong_tier",
+    "plant_quarantine_not_pending",
     "plant_tier_reports_before_io",
     "plant_tiering_ignores_tiers",
     "plant_tiering_ignores_transfers",
@@ -115,3 +117,41 @@ def plant_promotion_from_wrong_tier(monkeypatch: pytest.MonkeyPatch) -> Iterator
 PROMOTING = Bounds(requests=2, prompts=1, chunks=2, slots=2, groups=2, tiers=2, promotions=True, resets=1)
 
 PLANTED_MODEL_BUGS["promotion_from_wrong_tier"] = (plant_promotion_from_wrong_tier, PROMOTING)
+
+
+@contextmanager
+def plant_deadline_queue_loses_entries(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The scheduler's deadline queue pops only the first expired job per step and loses the others."""
+    real = Model.deadline_queue_pops
+
+    def buggy(self: Model, jobs: Sequence[Any]) -> list[int]:
+        return real(self, jobs)[:1]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "deadline_queue_pops", buggy)
+        yield
+
+
+#: Two store deadlines that may pass before one step.
+EXPIRING = dataclasses.replace(DEFAULT, deadlines=2, resets=0, slots=3)
+
+PLANTED_MODEL_BUGS["deadline_queue_loses_entries"] = (plant_deadline_queue_loses_entries, EXPIRING)
+
+
+@contextmanager
+def plant_quarantine_not_pending(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A timed-out job whose copy still runs is not pending work: the engine may go idle while that copy
+    touches memory that only a poll hands back (issue 10, "Quarantine is pending work")."""
+
+    def buggy(self: Model, jobs: Sequence[Any]) -> bool:
+        return False
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "quarantine_pending", buggy)
+        yield
+
+
+PLANTED_MODEL_BUGS["quarantine_not_pending"] = (
+    plant_quarantine_not_pending,
+    dataclasses.replace(DEFAULT, deadlines=1, resets=0),
+)

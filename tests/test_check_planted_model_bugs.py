@@ -14,8 +14,8 @@ import pytest
 from planted_model_bugs import PLANTED_MODEL_BUGS
 
 from kvfsm.check import Bounds, Model, explore, format_trace
-from kvfsm.check.model import SYNCING
-from kvfsm.machines.names import JobState
+from kvfsm.check.model import COPYING, SYNCING
+from kvfsm.machines.names import EngineState, JobState
 
 #: name -> (the invariant the checker reports, the counterexample length in events, BFS-shortest).
 EXPECTED: dict[str, tuple[str, int]] = {
@@ -24,6 +24,8 @@ EXPECTED: dict[str, tuple[str, int]] = {
     "backend_reports_running_copies": ("readable_only_after_commit", 3),
     "tier_reports_before_io": ("evict_only_ready_unreferenced", 5),
     "promotion_from_wrong_tier": ("readable_only_after_commit", 7),
+    "deadline_queue_loses_entries": ("deadlines_noticed", 8),
+    "quarantine_not_pending": ("pending_work_covers_jobs", 5),
 }
 
 
@@ -84,3 +86,22 @@ def test_promotions_from_two_tiers_hold_every_property() -> None:
     assert result.graph is not None
     promoted_from = {t.tier for s in result.graph.states for t in s.tier if t.promote}
     assert promoted_from == {0, 1}
+
+
+def test_store_deadlines_time_out_into_a_quarantine_that_is_pending_work() -> None:
+    """With deadlines in scope, a timed-out store whose copy still runs is quarantined: its slots stay
+    writing, it counts as pending work, and once its launched copies report the slots are freed."""
+    bounds = Bounds(requests=2, prompts=1, chunks=1, slots=1, groups=1, deadlines=1, resets=1, preemptions=1)
+    model = Model(bounds)
+    result = explore(model=model)
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.graph is not None and result.liveness_checked
+    quarantined = [
+        s
+        for s in result.graph.states
+        if any(j.state is JobState.TIMED_OUT and j.shards.count(COPYING) and not j.ignored for j in s.jobs)
+    ]
+    assert quarantined
+    for s in quarantined:
+        assert model.quarantine_pending(s.jobs) and model.has_pending_push_work(s.jobs, s.tier)
+        assert s.engine is not EngineState.IDLE

@@ -403,6 +403,8 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
     if kind == "sync":
         rec = s.tier[label[1]]
         return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
+    if kind == "expire":
+        return f"the deadline of {_job(s, label[1], names)} passes (Deadlines.store_s)"
     if kind == "unblock":
         return "flush_all's wait returns (every flushed copy finished): the step polls, commits and settles"
     return repr(label)
@@ -506,6 +508,8 @@ def _translate(label: Label, maps: Canonical) -> Label:
         return (kind, maps.tier[label[1]], label[2])
     if kind == "sync":
         return (kind, maps.tier[label[1]])
+    if kind == "expire":
+        return (kind, maps.jobs[label[1]])
     return label
 
 
@@ -549,6 +553,7 @@ _ARROWS: dict[str, tuple[str, str, str]] = {
     "tier": ("Tier", "Scheduler", "-->>"),
     "sync": ("Tier", "Tier", "-->>"),
     "unblock": ("Workers", "Engine", "-->>"),
+    "expire": ("Engine", "Scheduler", "-->>"),
 }
 
 

@@ -50,6 +50,7 @@ MAX_BOUNDS: dict[str, int] = {
     "preemptions": 16,
     "max_jobs": 10_000,
     "tiers": 2,
+    "deadlines": 16,
 }
 #: The largest ``--max-states`` (about what fits in memory).
 MAX_STATES = 10**9
@@ -65,6 +66,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "resets",
     "preemptions",
     "max_jobs",
+    "deadlines",
     "no_failures",
     "durable",
     "promotions",
@@ -106,6 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bound("--resets", 0, "reset_cache calls")
     bound("--preemptions", 0, "preemptions")
     bound("--max-jobs", 0, "jobs created in all; 0: no bound")
+    bound("--deadlines", 0, "store deadlines that may pass (time_out, quarantine)")
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
     b.add_argument(
         "--durable",
@@ -182,6 +185,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         durable=bool(getattr(args, "durable", False)),
         promotions=bool(getattr(args, "promotions", False)),
         max_jobs=get("max_jobs"),
+        deadlines=get("deadlines"),
     )
 
 
@@ -212,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
-    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions):
+    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions or bounds.deadlines):
         raise ConfigError(
             "--replay has one loopback tier that never hits and no durable sync; expected --tiers 0 or 1 "
-            "without --durable or --promotions"
+            "without --durable, --promotions or --deadlines"
         )
     model = Model(bounds, drain)
     if show:

@@ -144,6 +144,7 @@ class Bounds:
     tiers: int = 1  #: 0, 1 or 2 write-through secondary tiers (each commit cascades to every tier)
     durable: bool = False  #: the last tier is durable: after a cascade's write it syncs in the background
     promotions: bool = False  #: the tiers answer HIT for what they hold: a lookup promotes it into the primary
+    deadlines: int = 0  #: store deadlines (Deadlines.store_s) that may pass, in all: time_out and quarantine
     resets: int = 1  #: reset_cache calls
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
@@ -155,7 +156,7 @@ class Bounds:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"bound {name} must be a positive integer, got {value!r}")
-        for name in ("tiers", "resets", "preemptions", "max_jobs"):
+        for name in ("tiers", "resets", "preemptions", "max_jobs", "deadlines"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"bound {name} must be a non-negative integer, got {value!r}")
@@ -212,6 +213,7 @@ class JobRec(NamedTuple):
     shards: tuple[int, ...]  #: per worker rank: UNLAUNCHED .. REPORTED
     ignored: bool  #: discarded by a reset and below the stale threshold: late reports are dropped
     world_size: int
+    expired: bool = False  #: its deadline has passed (the clock, ground truth); the next step times it out
 
 
 class TierRec(NamedTuple):
@@ -247,6 +249,7 @@ class State(NamedTuple):
     #: Bounds.promotions only: per secondary tier, the bitmask of keys whose copy it holds (ground truth:
     #: a cascade's I/O that succeeded wrote it; a failed promotion invalidates it)
     held: tuple[int, ...] = ()
+    expiries: int = 0  #: deadlines that have passed (counted only when Bounds.deadlines is set)
 
 
 class ModelViolation(Exception):
@@ -352,6 +355,7 @@ class _World:
         "blocked",
         "created",
         "engine",
+        "expiries",
         "held",
         "jobs",
         "lru",
@@ -379,6 +383,7 @@ class _World:
         self.created = s.created
         self.blocked = s.blocked
         self.held = list(s.held)
+        self.expiries = s.expiries
 
     def freeze(self) -> State:
         new = tuple.__new__
@@ -399,6 +404,7 @@ class _World:
                 self.created,
                 self.blocked,
                 tuple(self.held),
+                self.expiries,
             ),
         )
 
@@ -406,6 +412,7 @@ class _World:
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
 _J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
+_J_EXPIRED = 10
 _T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED, _T_PROMOTE = range(5)
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
@@ -476,6 +483,7 @@ class Model:
             0,
             False,
             (0,) * b.tiers if b.promotions else (),
+            0,
         )
 
     # ------------------------------------------------------------------ spec machines, memoized
@@ -563,11 +571,11 @@ class Model:
         """Jobs the scheduler awaits (its ``_jobs``)."""
         return [j for j in jobs if j[_J_STATE] in _LIVE]
 
-    def has_pending_push_work(self, jobs: Sequence[JobRec], tier: Sequence[Any]) -> bool:
+    def has_pending_push_work(self, jobs: Sequence[Any], tier: Sequence[Any]) -> bool:
         """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
         has_pending_work(): what the engine is told, computed from the bookkeeping."""
-        live = [j for j in jobs if j[_J_STATE] in _LIVE]
-        return self.pending_push_work(live, lambda: self.manager_pending(tier))
+        live = [j if isinstance(j, JobRec) else _new(JobRec, j) for j in jobs if j[_J_STATE] in _LIVE]
+        return self.pending_push_work(live, lambda: self.quarantine_pending(jobs) or self.manager_pending(tier))
 
     # ------------------------------------------------------------------ the model's components
     #
@@ -575,6 +583,19 @@ class Model:
     # (tests/planted_model_bugs.py) rather than in a pure decision shared with the implementation: the
     # checker must then catch it by its own ground truth (the shard and tier states), not by re-asking the
     # component.
+
+    def quarantine_pending(self, jobs: Sequence[Any]) -> bool:
+        """The scheduler's quarantine term: a timed-out job whose launched copies have not all reported."""
+        return any(
+            j[_J_STATE] is JobState.TIMED_OUT
+            and not j[_J_IGNORED]
+            and any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
+            for j in jobs
+        )
+
+    def deadline_queue_pops(self, jobs: Sequence[Any]) -> list[int]:
+        """Deadlines.pop_expired at build_connector_meta: every awaited job whose deadline has passed."""
+        return [j for j, job in enumerate(jobs) if job[_J_EXPIRED] and job[_J_STATE] in _LIVE]
 
     def manager_pending(self, tier: Sequence[Any]) -> bool:
         """TieringManager.has_pending_work(): transfers in its map, or a tier's own pending work."""
@@ -616,10 +637,13 @@ class Model:
         non-stale job with a shard not yet launched, copying, or finished but not reported, or a cascade
         whose tier I/O or sync is not over. None when nothing remains."""
         for job in s.jobs:
-            if job.state is not JobState.STALE:
+            if job.state is not JobState.STALE and not job.ignored:
+                # An awaited job still has to launch; a terminal one (timed out) only has its launched copies.
+                unfinished = _UNFINISHED_SHARDS if job.state in _LIVE else _UNREPORTED_COPIES
                 for rank, sh in enumerate(job.shards):
-                    if sh in _UNFINISHED_SHARDS:
-                        return f"rank {rank}'s shard of a {KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
+                    if sh in unfinished:
+                        what = "timed-out " if job.state is JobState.TIMED_OUT else ""
+                        return f"rank {rank}'s shard of a {what}{KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
         for rec in s.tier:
             if not (rec.promote and rec.status == UNLAUNCHED):  # a queued promotion is a reservation
                 what = "promotion" if rec.promote else "cascade"
@@ -642,6 +666,8 @@ class Model:
             return self._tier_done(s, label[1], label[2])
         if kind == "sync":
             return self._sync_done(s, label[1])
+        if kind == "expire":
+            return self._expire(s, label[1])
         if kind == "arrive":
             return self._guard(self._arrive, s, label[1])
         if kind == "lookup":
@@ -690,6 +716,10 @@ class Model:
                     yield ("tier", c, ok), self._tier_done(s, c, ok)
             elif rec.status == SYNCING:
                 yield ("sync", c), self._sync_done(s, c)
+        if s.expiries < b.deadlines:
+            for j, job in enumerate(s.jobs):
+                if job.kind == STORE and job.state in _LIVE and not job.expired:
+                    yield ("expire", j), self._expire(s, j)
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
@@ -756,6 +786,32 @@ class Model:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
         return s._replace(tier=tuple(tier))
+
+    def _expire(self, s: State, j: int) -> State:
+        """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
+        jobs = list(s.jobs)
+        jobs[j] = jobs[j]._replace(expired=True)
+        return s._replace(jobs=tuple(jobs), expiries=s.expiries + 1)
+
+    def _time_out(self, w: _World, j: int) -> None:
+        """OffloadingScheduler.expire_jobs for one job: time_out / release, in two parts (spec/README.md,
+        "Quarantine"): the job leaves the job map and its request at once; its slots are handed back only
+        once every launched copy has reported (at once if none was launched)."""
+        job = w.jobs[j]
+        shards = job[_J_SHARDS]
+        job[_J_STATE] = self.job_event(
+            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), JobEvent.TIME_OUT, 0
+        )[0]
+        i = job[_J_REQ]
+        job[_J_REQ] = -1
+        if not any(sh in _UNREPORTED_COPIES for sh in shards):
+            self._complete_store(w, job[_J_KEYS], False)
+        if (
+            i >= 0
+            and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED
+            and not any(x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs)
+        ):
+            self._fire_req(w, i, RequestEvent.DELETE)
 
     def _sync_done(self, s: State, c: int) -> State:
         """A durable tier's background sync of cascade ``c`` finishes: the data is durable."""
@@ -844,7 +900,7 @@ class Model:
             self._begin_read(w, key)
         r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)[0]
         self._count_job(w)
-        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
         r[_R_NEXT] = hits
         r[_R_ENG] = E_LOAD
         r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
@@ -1007,7 +1063,17 @@ class Model:
         allocated = {r[_R_GROUP] for r in reqs if r[_R_ALLOC]}
         new_jobs_from = len(w.jobs)
 
-        # build_connector_meta
+        # build_connector_meta: expire_jobs first
+        if self.bounds.deadlines:
+            for j in self.deadline_queue_pops(w.jobs):
+                self._time_out(w, j)
+            for job in w.jobs:  # ground truth: the clock; every deadline passed is noticed by this step
+                if job[_J_EXPIRED] and job[_J_STATE] in _LIVE:
+                    raise ModelViolation(
+                        "deadlines_noticed",
+                        f"a {KIND_NAMES[job[_J_KIND]]} job (keys {list(job[_J_KEYS])}) is past its deadline and "
+                        "still awaited after build_connector_meta",
+                    )
         if self.bounds.tiers:  # manager.on_schedule_end: poll, submit the queued promotions, reopen the gate
             self._poll(w)
             for t in w.tier:
@@ -1032,7 +1098,7 @@ class Model:
             if not any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs):
                 self._fire_req(w, i, RequestEvent.DELETE)
         if w.reset_flush:
-            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE)
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
             w.reset_flush = False
         for r in reqs:
             r[_R_ALLOC] = False
@@ -1058,8 +1124,14 @@ class Model:
             if n > 0:
                 written.setdefault(reqs[i][_R_GROUP], i)
         for job in w.jobs:
-            if job[_J_GROUP] in written and job[_J_REQ] != written[job[_J_GROUP]]:
-                busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in (UNLAUNCHED, COPYING)]
+            # A timed-out store's blocks are unfenced on purpose: its copy only ever writes a slot that is
+            # never committed.
+            if (
+                job[_J_GROUP] in written
+                and job[_J_REQ] != written[job[_J_GROUP]]
+                and job[_J_STATE] is not JobState.TIMED_OUT
+            ):
+                busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in _BUSY]
                 if busy:
                     what = "reads" if job[_J_KIND] == STORE else "is loading into"
                     raise ModelViolation(
@@ -1083,9 +1155,8 @@ class Model:
         self._finish_loads(w)
         event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
         if event is EngineEvent.SETTLE:
-            live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
-            tier = w.tier
-            pending = self.pending_push_work(live, lambda: self.manager_pending(tier))
+            live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
+            pending = self.has_pending_push_work(w.jobs, w.tier)
             if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
                 # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
                 # them inside this step; the step resumes (unblock) once every flushed copy has finished.
@@ -1166,7 +1237,9 @@ class Model:
         g = r[_R_GROUP] if r[_R_GROUP] >= 0 else -1
         if g < 0:
             raise ModelViolation("gpu_source_not_overwritten", f"request {i} plans a store without GPU blocks")
-        w.jobs.append([STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        w.jobs.append(
+            [STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False]
+        )
         if r[_R_PHASE] is RequestState.FINISHED_UNSIGNALLED:
             fences = self._fences(w)
             if j in self.fenced_jobs(allocated & {g}, fences):
@@ -1201,6 +1274,8 @@ class Model:
             if job[_J_IGNORED]:
                 continue
             keys = list(job[_J_KEYS])
+            if job[_J_STATE] is JobState.TIMED_OUT:
+                continue  # a late report of a quarantined job: absorbed by id
             if job[_J_STATE] not in _LIVE:
                 if job[_J_STATE] is JobState.STALE:
                     raise ModelViolation(
@@ -1232,6 +1307,14 @@ class Model:
                     if event is JobEvent.FAIL:
                         job[_J_FAILED] += 1
                     self._job_finished(w, j, effect)
+        for j in dict.fromkeys([*failed, *completed]):
+            job = w.jobs[j]
+            if (
+                job[_J_STATE] is JobState.TIMED_OUT
+                and not job[_J_IGNORED]
+                and not any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+            ):
+                self._complete_store(w, job[_J_KEYS], False)  # the last launched copy reported: release
 
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
@@ -1321,6 +1404,9 @@ class Model:
             w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
+            if job[_J_STATE] is JobState.TIMED_OUT and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS]):
+                job[_J_IGNORED] = ignored  # quarantined: flushed like every other stale job
+                w.reset_flush = True
             if job[_J_STATE] in _LIVE:
                 mask = _mask(job[_J_SHARDS])
                 job[_J_STATE] = self.job_event(
@@ -1368,7 +1454,7 @@ class Model:
         for job in s.jobs:
             busy = any(sh in _BUSY for sh in job.shards)
             copying = COPYING in job.shards or REPORTED_COPYING in job.shards
-            if job.state is JobState.STALE:
+            if job.state is JobState.STALE or job.ignored:
                 stale_busy = stale_busy or copying
             else:
                 fresh_busy = fresh_busy or copying
@@ -1500,6 +1586,7 @@ class Model:
                     jobs[j][4:7],
                     sorted(jobs[j].shards),
                     jobs[j].ignored,
+                    jobs[j].expired,
                 ),
             )
             cols = [tuple(jobs[j].shards[w] for j in pre) for w in range(W)]
@@ -1519,6 +1606,7 @@ class Model:
                     job.failed_reports,
                     shards,
                     job.ignored,
+                    job.expired,
                     n,
                 )
             )
@@ -1540,7 +1628,7 @@ class Model:
             if k[2] == job.req and g == job.group and k[7] is job.shards:
                 new_jobs.append(job)
             else:
-                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size)))
+                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
         tier = s.tier
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         state = _new(
