@@ -105,3 +105,22 @@ def test_store_deadlines_time_out_into_a_quarantine_that_is_pending_work() -> No
     for s in quarantined:
         assert model.quarantine_pending(s.jobs) and model.has_pending_push_work(s.jobs, s.tier)
         assert s.engine is not EngineState.IDLE
+
+
+def test_bounded_shutdown_drains_or_gives_up_and_stops_with_nothing_pinned() -> None:
+    bounds = Bounds(requests=2, prompts=1, chunks=1, slots=1, groups=1, shutdown=True, deadlines=1)
+    result = explore(bounds)
+    assert result.ok, [str(v) for v in result.violations]
+    assert result.graph is not None and result.liveness_checked
+    stopped = [s for s in result.graph.states if s.engine is EngineState.STOPPED]
+    assert {s.abandoned for s in stopped} == {False, True}  # drained cleanly, and given up at the deadline
+    for s in stopped:
+        assert not any(j.state in (JobState.SUBMITTED, JobState.IN_FLIGHT) for j in s.jobs)
+        assert all(code in (-2, 0) for code in s.slots) and not s.tier
+    # Given up while a copy still ran: the copy is abandoned, not pending, so stop is enabled.
+    model = Model(bounds)
+    given_up = [s for s in result.graph.states if s.abandoned and any(COPYING in j.shards for j in s.jobs)]
+    assert given_up
+    for s in given_up:
+        assert s.engine is EngineState.SHUTTING_DOWN and not model.has_pending_push_work(s.jobs, s.tier, True)
+        assert ("stop",) in [label for label, _ in model.successors(s)]

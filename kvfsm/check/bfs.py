@@ -56,7 +56,7 @@ RESPONSIVENESS = "responsiveness"
 _DRAINING = frozenset({EngineState.FINISHING, EngineState.DRAINING})
 
 #: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
-_NOT_PROGRESS = frozenset({"arrive", "reset"})
+_NOT_PROGRESS = frozenset({"arrive", "reset", "shutdown"})
 
 #: Called every so often with (states, edges, queue length, seconds).
 ProgressCallback = Callable[[int, int, int, float], None]
@@ -311,6 +311,8 @@ def _identity(s: State) -> State:
 
 
 def _is_goal(s: State) -> bool:
+    if s.engine is EngineState.STOPPED:
+        return True
     return s.engine is EngineState.IDLE and not s.tier and not any(j.state in _LIVE for j in s.jobs)
 
 
@@ -405,6 +407,12 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
         return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
     if kind == "expire":
         return f"the deadline of {_job(s, label[1], names)} passes (Deadlines.store_s)"
+    if kind == "shutdown":
+        return "shutdown(timeout): every live request is aborted, shutdown / flush_all fires"
+    if kind == "give_up":
+        return "the shutdown deadline passes: unlaunched jobs are cancelled, launched ones time out, transfers given up"
+    if kind == "stop":
+        return "stop [no_pending_push_work]: quarantined memory and abandoned transfers are released"
     if kind == "unblock":
         return "flush_all's wait returns (every flushed copy finished): the step polls, commits and settles"
     return repr(label)
@@ -553,6 +561,9 @@ _ARROWS: dict[str, tuple[str, str, str]] = {
     "tier": ("Tier", "Scheduler", "-->>"),
     "sync": ("Tier", "Tier", "-->>"),
     "unblock": ("Workers", "Engine", "-->>"),
+    "shutdown": ("Client", "Engine", "->>"),
+    "give_up": ("Engine", "Scheduler", "->>"),
+    "stop": ("Engine", "Engine", "->>"),
     "expire": ("Engine", "Scheduler", "-->>"),
 }
 

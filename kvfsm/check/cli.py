@@ -70,6 +70,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "no_failures",
     "durable",
     "promotions",
+    "shutdown",
     "keep_going",
     "no_liveness",
     "max_states",
@@ -114,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--durable",
         action="store_true",
         help="the last tier syncs each cascade in the background (its own pending work)",
+    )
+    b.add_argument(
+        "--shutdown", action="store_true", help="the engine may be shut down (bounded): flush_all, give up, stop"
     )
     b.add_argument(
         "--promotions", action="store_true", help="the tiers hit what they hold: lookups promote it into the primary"
@@ -184,6 +188,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         failures=not args.no_failures,
         durable=bool(getattr(args, "durable", False)),
         promotions=bool(getattr(args, "promotions", False)),
+        shutdown=bool(getattr(args, "shutdown", False)),
         max_jobs=get("max_jobs"),
         deadlines=get("deadlines"),
     )
@@ -216,10 +221,10 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
-    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions or bounds.deadlines):
+    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions or bounds.deadlines or bounds.shutdown):
         raise ConfigError(
             "--replay has one loopback tier that never hits and no durable sync; expected --tiers 0 or 1 "
-            "without --durable, --promotions or --deadlines"
+            "without --durable, --promotions, --deadlines or --shutdown"
         )
     model = Model(bounds, drain)
     if show:

@@ -145,6 +145,7 @@ class Bounds:
     durable: bool = False  #: the last tier is durable: after a cascade's write it syncs in the background
     promotions: bool = False  #: the tiers answer HIT for what they hold: a lookup promotes it into the primary
     deadlines: int = 0  #: store deadlines (Deadlines.store_s) that may pass, in all: time_out and quarantine
+    shutdown: bool = False  #: the engine may be shut down (bounded): flush_all, give up at the deadline, stop
     resets: int = 1  #: reset_cache calls
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
@@ -250,6 +251,8 @@ class State(NamedTuple):
     #: a cascade's I/O that succeeded wrote it; a failed promotion invalidates it)
     held: tuple[int, ...] = ()
     expiries: int = 0  #: deadlines that have passed (counted only when Bounds.deadlines is set)
+    #: a bounded shutdown gave up (abandon_jobs, abandon_transfers): what is left is no longer pending work
+    abandoned: bool = False
 
 
 class ModelViolation(Exception):
@@ -351,6 +354,7 @@ class _World:
     """A mutable copy of a State, for the transitions that touch many parts of it."""
 
     __slots__ = (
+        "abandoned",
         "arrivals",
         "blocked",
         "created",
@@ -384,6 +388,7 @@ class _World:
         self.blocked = s.blocked
         self.held = list(s.held)
         self.expiries = s.expiries
+        self.abandoned = s.abandoned
 
     def freeze(self) -> State:
         new = tuple.__new__
@@ -405,6 +410,7 @@ class _World:
                 self.blocked,
                 tuple(self.held),
                 self.expiries,
+                self.abandoned,
             ),
         )
 
@@ -484,6 +490,7 @@ class Model:
             False,
             (0,) * b.tiers if b.promotions else (),
             0,
+            False,
         )
 
     # ------------------------------------------------------------------ spec machines, memoized
@@ -571,10 +578,13 @@ class Model:
         """Jobs the scheduler awaits (its ``_jobs``)."""
         return [j for j in jobs if j[_J_STATE] in _LIVE]
 
-    def has_pending_push_work(self, jobs: Sequence[Any], tier: Sequence[Any]) -> bool:
+    def has_pending_push_work(self, jobs: Sequence[Any], tier: Sequence[Any], abandoned: bool = False) -> bool:
         """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
-        has_pending_work(): what the engine is told, computed from the bookkeeping."""
+        has_pending_work(): what the engine is told, computed from the bookkeeping. After a shutdown gave
+        up (``abandoned``), neither the quarantine nor the manager's transfers count."""
         live = [j if isinstance(j, JobRec) else _new(JobRec, j) for j in jobs if j[_J_STATE] in _LIVE]
+        if abandoned:
+            return self.pending_push_work(live, lambda: False)
         return self.pending_push_work(live, lambda: self.quarantine_pending(jobs) or self.manager_pending(tier))
 
     # ------------------------------------------------------------------ the model's components
@@ -685,6 +695,12 @@ class Model:
             return self._guard(self._reset, s, -1)
         if kind == "unblock":
             return self._guard(self._unblock, s, -1)
+        if kind == "shutdown":
+            return self._guard(self._shutdown, s, -1)
+        if kind == "give_up":
+            return self._guard(self._give_up, s, -1)
+        if kind == "stop":
+            return self._guard(self._stop, s, -1)
         raise ModelViolation("model", f"unknown event {label!r}")
 
     def _lookup_all(self, s: State, i: int) -> Iterator[tuple[Label, State | ModelViolation | None]]:
@@ -720,6 +736,16 @@ class Model:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
                     yield ("expire", j), self._expire(s, j)
+        if s.engine is EngineState.STOPPED:
+            return  # the process has stopped: nothing else happens
+        if s.engine is EngineState.SHUTTING_DOWN:
+            # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
+            if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
+                yield ("step",), self._guard(self._step, s, -1)
+                yield ("give_up",), self._guard(self._give_up, s, -1)
+            else:
+                yield ("stop",), self._guard(self._stop, s, -1)
+            return
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
@@ -746,6 +772,8 @@ class Model:
                     yield ("finish", i), self._guard(self._finish_request, s, i)
             if s.resets < b.resets:
                 yield ("reset",), self._guard(self._reset, s, -1)
+            if b.shutdown:
+                yield ("shutdown",), self._guard(self._shutdown, s, -1)
 
     def _guard(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
         try:
@@ -805,13 +833,77 @@ class Model:
         i = job[_J_REQ]
         job[_J_REQ] = -1
         if not any(sh in _UNREPORTED_COPIES for sh in shards):
-            self._complete_store(w, job[_J_KEYS], False)
+            self._release(w, job)
         if (
             i >= 0
             and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED
             and not any(x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs)
         ):
             self._fire_req(w, i, RequestEvent.DELETE)
+
+    def _release(self, w: _World, job: list[Any]) -> None:
+        """The RELEASE effect's memory part: a store's slots are freed, a load's unpinned."""
+        if job[_J_KIND] == STORE:
+            self._complete_store(w, job[_J_KEYS], False)
+        else:
+            self._complete_load(w, job[_J_KEYS])
+
+    # -- bounded shutdown (EngineLoop.shutdown)
+
+    def _shutdown(self, s: State, _: int) -> State:
+        """shutdown(timeout): abort every live request, then fire shutdown / flush_all."""
+        w = _World(s)
+        for i, r in enumerate(w.reqs):
+            if r[_R_ENG] != E_DONE and r[_R_PHASE] not in _FINISHED_PHASES:
+                self._fire_req(w, i, RequestEvent.FINISH)
+                r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
+                if r[_R_ENG] in (E_RUN, E_WAIT):
+                    r[_R_ENG] = E_DONE
+                    r[_R_POS] = -1
+        w.engine = self.engine_event(w.engine, EngineEvent.SHUTDOWN, False)
+        return self._compact(w)
+
+    def _give_up(self, s: State, _: int) -> State:
+        """The shutdown deadline passes (abandon_jobs): jobs no worker launched are cancelled, launched ones
+        time out (quarantined, but given up on), and the manager gives up its transfers."""
+        w = _World(s)
+        for j, job in enumerate(w.jobs):
+            if job[_J_STATE] not in _LIVE:
+                continue
+            shards = job[_J_SHARDS]
+            if _mask(shards) == 0:
+                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, JobEvent.CANCEL, 0)
+                job[_J_STATE] = state
+                self._job_finished(w, j, effect)
+            else:
+                self._time_out(w, j)
+        w.abandoned = True
+        return self._compact(w)
+
+    def _stop(self, s: State, _: int) -> State:
+        """stop [no_pending_push_work], then release_quarantine and the tiers' shutdown: nothing can use
+        the memory any more, so every quarantined slot and every abandoned transfer's pin is handed back."""
+        w = _World(s)
+        w.engine = self.engine_event(
+            w.engine, EngineEvent.STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned)
+        )
+        for job in w.jobs:
+            if (
+                job[_J_STATE] is JobState.TIMED_OUT
+                and not job[_J_IGNORED]
+                and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+            ):
+                self._release(w, job)
+                job[_J_SHARDS] = tuple(REPORTED if sh != UNLAUNCHED else sh for sh in job[_J_SHARDS])
+        for t in w.tier:
+            for key in t[_T_KEYS]:
+                if t[_T_PROMOTE]:
+                    if w.slots[key] == WRITING:
+                        w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                elif not t[_T_HARVESTED]:
+                    self._end_read(w, key)
+        w.tier = []
+        return self._compact(w)
 
     def _sync_done(self, s: State, c: int) -> State:
         """A durable tier's background sync of cascade ``c`` finishes: the data is durable."""
@@ -1153,6 +1245,8 @@ class Model:
         """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
         self._report(w)
         self._finish_loads(w)
+        if w.engine is EngineState.SHUTTING_DOWN:
+            return self._compact(w)  # flush_all's empty step: no settle
         event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
         if event is EngineEvent.SETTLE:
             live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
@@ -1314,7 +1408,7 @@ class Model:
                 and not job[_J_IGNORED]
                 and not any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
             ):
-                self._complete_store(w, job[_J_KEYS], False)  # the last launched copy reported: release
+                self._release(w, job)  # the last launched copy reported: release
 
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
@@ -1441,9 +1535,16 @@ class Model:
         tier = s.tier
         # Ground truth from the model's own shard and tier states, against what the engine is told (the
         # implementation's has_pending_push_work() over the scheduler's and the manager's bookkeeping).
-        remains = self.transfer_remains(s)
-        if remains is not None and not self.has_pending_push_work(s.jobs, tier):
+        # After a bounded shutdown gave up, what is left is abandoned, not pending (spec: "Bounded shutdown").
+        remains = None if s.abandoned else self.transfer_remains(s)
+        if remains is not None and not self.has_pending_push_work(s.jobs, tier, s.abandoned):
             out.append(("pending_work_covers_jobs", f"{remains} but has_pending_push_work() is False"))
+        if s.engine is EngineState.STOPPED:
+            if live:
+                out.append(("idle_only_when_nothing_pending", f"stopped with {len(live)} awaited job(s)"))
+            pinned = [k for k, code in enumerate(s.slots) if code not in (ABSENT, READY)]
+            if pinned or tier:
+                out.append(("idle_only_when_nothing_pending", f"stopped with keys {pinned} pinned or reserved"))
         if s.engine is EngineState.IDLE:
             if remains is not None:
                 out.append(("idle_only_when_nothing_pending", f"the engine is idle while {remains}"))
