@@ -1279,7 +1279,7 @@ class Model:
         if s.blocked:
             copying = sum(sh == COPYING for job in s.jobs if job.state in _LIVE for sh in job.shards)
             return (
-                f"the request that arrived (#{i}) is waiting while the engine is blocked in flush_all "
+                "the request that just arrived is waiting while the engine is blocked in flush_all "
                 "(settle with pending push work), "
                 f"waiting for {copying} in-flight cop{'y' if copying == 1 else 'ies'}: no lookup and no step "
                 "can run until they finish"
