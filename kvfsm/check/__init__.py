@@ -5,8 +5,9 @@ store and load jobs with W workers, CPU slots, up to two secondary tiers, GPU bl
 engine; optionally promotions, store deadlines with quarantine, and bounded shutdown) with symmetry
 reduction, checks every invariant of spec/invariants.toml in every state and on every transition, checks
 responsiveness on every arrival while the engine drains (in either :class:`DrainMode`), then checks
-liveness on the explored graph, and returns the shortest counterexample of anything it finds. ``kvfsm check`` is its command line; :mod:`kvfsm.check.replay` replays the explored
-graph against the real implementation (model-based tests).
+liveness on the explored graph, and returns the shortest counterexample of anything it finds.
+``kvfsm check`` is its command line; :mod:`kvfsm.check.replay` replays the explored graph against the
+real implementation (model-based tests).
 """
 
 from __future__ import annotations
