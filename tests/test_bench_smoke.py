@@ -184,7 +184,9 @@ def test_quick_bench_runs_every_section_and_writes_json(tmp_path: Path, capsys: 
     assert "available" in data["transfers"]
     assert all("available" in v for v in data["verification"])
     goals = data["goals"]
-    assert {g["section"] for g in goals} == {"drain", "control", "lifecycle"}
+    assert {g["section"] for g in goals} == {"drain", "control", "lifecycle", "verification"}
+    (checker_goal,) = [g for g in goals if g["section"] == "verification"]
+    assert "states/s by CPU time" in checker_goal["goal"] and checker_goal["target"] == ">= 100k states/s"
     assert all(g["met"] in (True, False, None) for g in goals)
 
 

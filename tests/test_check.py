@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 
 import pytest
 
 import kvfsm.control.scheduler as scheduler_mod
 from kvfsm.check import LIVENESS, Bounds, Model, explore, format_trace
 from kvfsm.check.bfs import describe_state, stable_trace
-from kvfsm.check.model import CHECKED_INVARIANTS, State
+from kvfsm.check.model import CHECKED_INVARIANTS, Label, ModelViolation, State
 from kvfsm.cli import main
 from kvfsm.errors import ConfigError
 from kvfsm.machines.loader import load_invariants
@@ -67,7 +67,7 @@ def test_bounds_are_validated() -> None:
     with pytest.raises(ConfigError, match="workers"):
         Bounds(workers=0)
     with pytest.raises(ConfigError, match="tier"):
-        Bounds(tiers=2)
+        Bounds(tiers=3)
     with pytest.raises(ConfigError, match="resets"):
         Bounds(resets=-1)
 
@@ -198,3 +198,92 @@ def test_the_checker_and_the_replay_harness_need_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# --------------------------------------------------------------------------- drain modes and responsiveness
+
+
+def test_spec_names_the_temporal_properties_and_both_drain_modes() -> None:
+    from kvfsm.check.properties import DrainMode, load_drain_modes, load_properties
+    from kvfsm.machines.names import EngineEffect
+
+    assert {p.name for p in load_properties()} == {"responsiveness", "liveness", "deadlines_noticed"}
+    modes = load_drain_modes()
+    assert modes[DrainMode.BLOCKING].settle_effect is EngineEffect.FLUSH_ALL
+    assert modes[DrainMode.NON_BLOCKING].settle_effect is None
+    assert [m for m, spec in modes.items() if spec.default] == [DrainMode.NON_BLOCKING]
+
+
+def test_blocking_drain_breaks_responsiveness_with_a_short_trace() -> None:
+    """The #42611 baseline: a request that arrives while the engine waits in flush_all cannot be looked up
+    until the flushed copies finish. The default bounds find it in a handful of events."""
+    from kvfsm.check import RESPONSIVENESS
+    from kvfsm.check.properties import DrainMode
+
+    model = Model(Bounds(), DrainMode.BLOCKING)
+    result = explore(model=model)
+    (v,) = result.violations
+    assert v.invariant == RESPONSIVENESS and v.label is None
+    assert v.length <= 12
+    assert [lab[0] for lab in v.path][-1] == "arrive"
+    assert v.states[-1].blocked and v.states[-1].engine in (EngineState.FINISHING, EngineState.DRAINING)
+    text = format_trace(v, model)
+    assert "BLOCKED in flush_all" in text and "breaks responsiveness" in text
+
+
+def test_non_blocking_drain_is_responsive_on_every_arrival_while_draining() -> None:
+    result = explore(SMALL)
+    assert result.ok and result.responsiveness_checks > 0
+
+
+def test_responsiveness_is_decided_not_assumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose lookups wait for every transfer to finish (an engine that ignores its queue while work
+    is in flight, without blocking) is caught."""
+    from kvfsm.check import RESPONSIVENESS
+
+    real = Model._lookup_all
+
+    def deaf(self: Model, s: State, i: int) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        if s.tier or any(j.state.value in ("submitted", "in_flight") for j in s.jobs):
+            return iter(())
+        return real(self, s, i)
+
+    monkeypatch.setattr(Model, "_lookup_all", deaf)
+    result = explore(SMALL)
+    assert RESPONSIVENESS in {v.invariant for v in result.violations}
+
+
+def test_blocking_mode_holds_every_other_property() -> None:
+    from kvfsm.check import RESPONSIVENESS
+    from kvfsm.check.properties import DrainMode
+
+    result = explore(SMALL, drain=DrainMode.BLOCKING, stop_at_first=False)
+    assert {v.invariant for v in result.violations} == {RESPONSIVENESS}
+    assert result.graph is not None and any(s.blocked for s in result.graph.states)
+
+
+def test_cli_check_drain_blocking_exits_1_with_a_diagram(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--drain", "blocking", "--quiet", "--diagram"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION responsiveness" in out and "sequenceDiagram" in out and "flush_all" in out
+    n = int(out.split("shortest counterexample: ")[1].split()[0])
+    assert n <= 12
+
+
+def test_cli_check_refuses_replay_of_the_blocking_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--drain", "blocking", "--replay", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "non_blocking" in err and "Traceback" not in err
+
+
+def test_cli_check_replay_drives_the_implementation_along_the_counterexample(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bug planted in a shared decision: the real scheduler follows the checker's counterexample and then
+    refuses the violating late ack (UnknownJobError), and the command says so."""
+    monkeypatch.setattr(scheduler_mod, "stale_threshold_after_reset", lambda counter, threshold: threshold)
+    args = ["check", "--requests", "1", "--prompts", "1", "--chunks", "1", "--slots", "1", "--groups", "1"]
+    assert main([*args, "--tiers", "0", "--preemptions", "0", "--quiet", "--brief", "--replay"]) == 1
+    out = capsys.readouterr().out
+    assert "the implementation follows the stale_ids_ignored counterexample for 4 events" in out
+    assert "UnknownJobError" in out

@@ -68,7 +68,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("check-slots-negative", ["check", "--slots", "-2"], "--slots: expected an integer from 1 to 16"),
     ("check-slots-absurd", ["check", "--slots", "100000"], "--slots: expected an integer from 1 to 16"),
     ("check-max-states-negative", ["check", "--max-states", "-5"], "--max-states: expected an integer from 0"),
-    ("check-tiers-2", ["check", "--tiers", "2"], "--tiers: expected an integer from 0 to 1"),
+    ("check-tiers-3", ["check", "--tiers", "3"], "--tiers: expected an integer from 0 to 2"),
     # check --trace
     ("check-trace-missing", ["check", "--trace", "{d}/missing.ndjson"], "cannot read trace"),
     ("check-trace-empty", ["check", "--trace", "{d}/empty.ndjson"], "holds no transition records"),

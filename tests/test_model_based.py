@@ -124,3 +124,21 @@ def test_probes_cover_every_machine() -> None:
     state2, refs2 = abstract(h2, model)
     assert "reset_cache() with a step half scheduled" in [w for w, _ in disabled_events(h2, state2, refs2)]
     h2.sched.build_connector_meta(SchedulerOutput())
+
+
+@pytest.mark.nightly
+def test_nightly_every_edge_of_the_default_bounds_graph_replays() -> None:
+    """The nightly profile (opt-in: ``pytest -m nightly tests/test_model_based.py -s``): every edge of the
+    default-bounds graph replayed on the real scheduler, managers and workers, and every negative probe
+    applied in every reachable state. Its time is recorded in the README."""
+    bounds = Bounds()
+    result = explore(bounds)
+    assert result.ok and result.graph is not None
+    report = replay_edges(result)
+    assert not report.mismatches, "\n\n".join(str(m) for m in report.mismatches)
+    assert not report.probe_failures, "\n".join(report.probe_failures[:20])
+    assert report.states == result.states and report.edges_replayed == result.edges
+    print(
+        f"\nnightly full-bounds replay: {result.states:,} states, {report.edges_replayed:,} edges replayed, "
+        f"{report.probes:,} negative probes in {report.seconds:.0f} s"
+    )

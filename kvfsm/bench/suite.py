@@ -568,6 +568,19 @@ def _section_verification(opts: _Options, report: BenchReport) -> str:
             note = r.detail if len(r.detail) <= 90 else r.detail[:87] + "..."
             rows.append((r.tool, r.target, "-", "-", "-", "-", note))
     table = format_table(("tool", "target", "count", "unit", "s", "per second", "note"), rows, align="llrlrrl")
+    for r in checker:
+        cpu = r.extra.get("cpu_seconds")
+        if r.available and isinstance(cpu, float) and cpu > 0:
+            rate = r.units / cpu
+            report.goals.append(
+                Goal(
+                    "verification",
+                    f"kvfsm check states/s by CPU time, {r.target}",
+                    ">= 100k states/s",
+                    f"{rate:,.0f} states/s ({r.units:,} states in {cpu:.2f} s CPU)",
+                    rate >= 100_000,
+                )
+            )
     return "(5) verification throughput\n" + table
 
 

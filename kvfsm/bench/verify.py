@@ -105,7 +105,9 @@ def _explore_throughput(explore: Callable[..., Any], bounds_cls: Callable[..., A
     bounds = bounds_cls()
     max_states = 20_000 if quick else 0
     t0 = time.perf_counter()
+    c0 = time.process_time()
     result = explore(bounds, keep_graph=False, check_liveness=False, stop_at_first=False, max_states=max_states)
+    cpu_seconds = time.process_time() - c0
     seconds = float(getattr(result, "seconds", 0.0)) or (time.perf_counter() - t0)
     states = _states_of(result) or 0
     complete = bool(getattr(result, "complete", False))
@@ -124,6 +126,7 @@ def _explore_throughput(explore: Callable[..., Any], bounds_cls: Callable[..., A
             {
                 "complete": complete,
                 "violations": violations,
+                "cpu_seconds": cpu_seconds,
                 "bounds": as_dict() if callable(as_dict) else str(bounds),
             },
         )

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing_extensions import override
 
 from kvfsm.check.model import (
-    COPYING,
     E_NAMES,
     E_RUN,
     KIND_NAMES,
@@ -33,10 +32,12 @@ from kvfsm.check.model import (
     State,
     slot_state,
 )
+from kvfsm.check.properties import DrainMode
 from kvfsm.machines.names import EngineState, JobState
 
 __all__ = [
     "LIVENESS",
+    "RESPONSIVENESS",
     "ExplorationResult",
     "Graph",
     "Violation",
@@ -47,11 +48,15 @@ __all__ = [
     "stable_trace",
 ]
 
-#: The name under which a liveness failure is reported (it is not one of spec/invariants.toml's).
+#: The names under which the spec's temporal properties (spec/invariants.toml ``[[property]]``) are reported.
 LIVENESS = "liveness"
+RESPONSIVENESS = "responsiveness"
+
+#: Engine states in which an arriving request arrives "while the engine drains" (responsiveness).
+_DRAINING = frozenset({EngineState.FINISHING, EngineState.DRAINING})
 
 #: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
-_NOT_PROGRESS = frozenset({"arrive", "reset"})
+_NOT_PROGRESS = frozenset({"arrive", "reset", "shutdown"})
 
 #: Called every so often with (states, edges, queue length, seconds).
 ProgressCallback = Callable[[int, int, int, float], None]
@@ -113,6 +118,8 @@ class ExplorationResult:
     complete: bool  #: every reachable state was explored (no stop at a first violation)
     pruned: int = 0  #: edges not explored because of Bounds.max_jobs
     liveness_checked: bool = False
+    responsiveness_checks: int = 0  #: arrivals while the engine drained, each checked for responsiveness
+    drain: DrainMode = DrainMode.NON_BLOCKING
 
     @property
     def ok(self) -> bool:
@@ -132,6 +139,8 @@ class ExplorationResult:
             "complete": self.complete,
             "pruned_edges": self.pruned,
             "liveness_checked": self.liveness_checked,
+            "responsiveness_checks": self.responsiveness_checks,
+            "drain": self.drain.value,
             "violations": [
                 {
                     "invariant": v.invariant,
@@ -159,15 +168,22 @@ def explore(
     progress: ProgressCallback | None = None,
     progress_every: int = 20_000,
     model: Model | None = None,
+    drain: DrainMode = DrainMode.NON_BLOCKING,
 ) -> ExplorationResult:
     """Explore every reachable state of the model at ``bounds``.
 
     ``stop_at_first``: return at the first violation (its counterexample is a shortest one). Otherwise keep
     going and report the first violation of each invariant. ``keep_graph`` keeps every edge (needed for
     the liveness check and for model-based tests). ``max_states`` > 0 stops early (``complete`` False).
-    ``symmetry=False`` explores raw states (no symmetry reduction), for comparison.
+    ``symmetry=False`` explores raw states (no symmetry reduction), for comparison. ``drain`` picks the
+    engine's drain mode (ignored when ``model`` is given: the model's own mode is used).
+
+    Besides the invariants, every arrival taken while the engine is finishing, draining or blocked is
+    checked for responsiveness: the new request must be looked up within one engine step with no transfer
+    finishing (:meth:`Model.responsiveness`).
     """
-    model = model if model is not None else Model(bounds)
+    model = model if model is not None else Model(bounds, drain)
+    responsiveness = model.responsiveness
     bounds = model.bounds
     canonical: Callable[[State], State] = model.canonical if symmetry else _identity
     successors = model.successors
@@ -189,6 +205,7 @@ def explore(
     graph = Graph(states, parent, parent_label, src, dst, lab_arr, labels)
     pruned = 0
     edges = 0
+    arrivals_checked = 0
 
     def label_id(label: Label) -> int:
         lid = label_ids.get(label)
@@ -224,6 +241,8 @@ def explore(
             complete,
             pruned,
             liveness,
+            arrivals_checked,
+            model.drain,
         )
 
     for name, detail in invariants(init):
@@ -247,6 +266,7 @@ def explore(
             if sid is None:
                 c = canonical(nxt)
                 sid = ids.get(c)
+            new = sid is None
             if sid is None:
                 sid = ids[c] = len(states)
                 states.append(c)
@@ -256,6 +276,14 @@ def explore(
                     if record(name, detail, sid, None):
                         edges += 1
                         return finish(False, False)
+            if label[0] == "arrive" and (s.blocked or s.engine in _DRAINING):
+                arrivals_checked += 1
+                late = responsiveness(nxt, len(nxt.reqs) - 1)
+                # Reported in the state after the arrival when this edge discovered it (so the trace shows
+                # it), else on the edge itself.
+                if late is not None and record(RESPONSIVENESS, late, sid if new else i, None if new else label):
+                    edges += 1
+                    return finish(False, False)
             edges += 1
             if keep_graph:
                 src.append(i)
@@ -283,6 +311,8 @@ def _identity(s: State) -> State:
 
 
 def _is_goal(s: State) -> bool:
+    if s.engine is EngineState.STOPPED:
+        return True
     return s.engine is EngineState.IDLE and not s.tier and not any(j.state in _LIVE for j in s.jobs)
 
 
@@ -370,7 +400,21 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
         return f"worker {w}'s copy of {_job(s, j, names)} {'finishes' if ok else 'FAILS'}"
     if kind == "tier":
         rec = s.tier[label[1]]
-        return f"the tier's cascade of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+        what = "promotion" if rec.promote else "cascade"
+        return f"tier {rec.tier}'s {what} I/O of keys {list(rec.keys)} {'finishes' if label[2] else 'FAILS'}"
+    if kind == "sync":
+        rec = s.tier[label[1]]
+        return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
+    if kind == "expire":
+        return f"the deadline of {_job(s, label[1], names)} passes (Deadlines.store_s)"
+    if kind == "shutdown":
+        return "shutdown(timeout): every live request is aborted, shutdown / flush_all fires"
+    if kind == "give_up":
+        return "the shutdown deadline passes: unlaunched jobs are cancelled, launched ones time out, transfers given up"
+    if kind == "stop":
+        return "stop [no_pending_push_work]: quarantined memory and abandoned transfers are released"
+    if kind == "unblock":
+        return "flush_all's wait returns (every flushed copy finished): the step polls, commits and settles"
     return repr(label)
 
 
@@ -406,9 +450,18 @@ def describe_state(s: State, names: Names | None = None) -> str:
     slots = " ".join(
         f"k{k}={slot_state(code).value}" + (f"({code})" if code > 0 else "") for k, code in enumerate(s.slots)
     )
-    tier = ", ".join(f"{list(t.keys)} {'copying' if t.status == COPYING else 'done'}" for t in s.tier)
+    tier = ", ".join(
+        f"t{t.tier}{'>promote' if t.promote else ''}{list(t.keys)} {SHARD_NAMES[t.status]}"
+        + (" (polled)" if t.harvested else "")
+        for t in s.tier
+    )
+    if s.held:
+        tier += " held: " + " ".join(
+            f"t{t}={[k for k in range(len(s.slots)) if mask >> k & 1]}" for t, mask in enumerate(s.held)
+        )
+    engine = s.engine.value + (" BLOCKED in flush_all" if s.blocked else "")
     return (
-        f"engine={s.engine.value} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "
+        f"engine={engine} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "
         f"lru={list(s.lru)} | tier: {tier or '-'}"
     )
 
@@ -461,6 +514,10 @@ def _translate(label: Label, maps: Canonical) -> Label:
         return (kind, maps.jobs[label[1]], maps.workers[label[2]], label[3])
     if kind == "tier":
         return (kind, maps.tier[label[1]], label[2])
+    if kind == "sync":
+        return (kind, maps.tier[label[1]])
+    if kind == "expire":
+        return (kind, maps.jobs[label[1]])
     return label
 
 
@@ -490,3 +547,54 @@ def format_trace(v: Violation, model: Model | None = None, *, states: bool = Tru
     if v.label is None:
         lines.append(f"      this state breaks {v.invariant}")
     return "\n".join(lines)
+
+
+#: Who sends each event of the model to whom, for the sequence diagram.
+_ARROWS: dict[str, tuple[str, str, str]] = {
+    "arrive": ("Client", "Engine", "->>"),
+    "finish": ("Client", "Engine", "->>"),
+    "lookup": ("Engine", "Scheduler", "->>"),
+    "step": ("Engine", "Scheduler", "->>"),
+    "preempt": ("Engine", "Scheduler", "->>"),
+    "reset": ("Engine", "Scheduler", "->>"),
+    "copy": ("Workers", "Scheduler", "-->>"),
+    "tier": ("Tier", "Scheduler", "-->>"),
+    "sync": ("Tier", "Tier", "-->>"),
+    "unblock": ("Workers", "Engine", "-->>"),
+    "shutdown": ("Client", "Engine", "->>"),
+    "give_up": ("Engine", "Scheduler", "->>"),
+    "stop": ("Engine", "Engine", "->>"),
+    "expire": ("Engine", "Scheduler", "-->>"),
+}
+
+
+def mermaid_sequence(v: Violation, model: Model) -> str:
+    """The counterexample as a Mermaid sequence diagram: one message per event, the engine's state after it."""
+    lines = [
+        "```mermaid",
+        "sequenceDiagram",
+        "    participant Client",
+        "    participant Engine",
+        "    participant Scheduler",
+        "    participant Workers",
+        "    participant Tier",
+    ]
+    labels = [*v.path, *([v.label] if v.label is not None else [])]
+    for lab, (text, after, _names) in zip(labels, stable_trace(model, v), strict=False):
+        src, dst, arrow = _ARROWS.get(lab[0], ("Engine", "Engine", "->>"))
+        lines.append(f"    {src}{arrow}{dst}: {_mermaid_text(text)}")
+        if after is None:
+            lines.append(f"    Note over {src},{dst}: VIOLATES {v.invariant}")
+        else:
+            engine = after.engine.value + (" (blocked in flush_all)" if after.blocked else "")
+            live = sum(1 for j in after.jobs if j.state in _LIVE)
+            lines.append(f"    Note over Engine: {engine}, {live} awaited job(s), {len(after.tier)} cascade(s)")
+    if v.label is None:
+        lines.append(f"    Note over Client,Tier: VIOLATES {v.invariant}: {_mermaid_text(v.detail)}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def _mermaid_text(text: str) -> str:
+    """Message text Mermaid accepts (no ';' or '#', which it parses)."""
+    return text.replace(";", ",").replace("#", "no. ")

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from kvfsm.check.bfs import ExplorationResult, explore, format_trace
+from kvfsm.check.bfs import ExplorationResult, Violation, explore, format_trace, mermaid_sequence
 from kvfsm.check.model import Bounds, Model
+from kvfsm.check.properties import DrainMode
 from kvfsm.cli import int_in
 from kvfsm.errors import ConfigError
 from kvfsm.observe.progress import Progress as ProgressDisplay
@@ -28,6 +29,7 @@ __all__ = [
     "add_arguments",
     "bounds_from",
     "explore_options_given",
+    "replay_counterexample",
     "run",
 ]
 
@@ -47,6 +49,8 @@ MAX_BOUNDS: dict[str, int] = {
     "resets": 16,
     "preemptions": 16,
     "max_jobs": 10_000,
+    "tiers": 2,
+    "deadlines": 16,
 }
 #: The largest ``--max-states`` (about what fits in memory).
 MAX_STATES = 10**9
@@ -62,12 +66,18 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "resets",
     "preemptions",
     "max_jobs",
+    "deadlines",
     "no_failures",
+    "durable",
+    "promotions",
+    "shutdown",
     "keep_going",
     "no_liveness",
     "max_states",
     "replay",
     "brief",
+    "drain",
+    "diagram",
 )
 
 
@@ -99,8 +109,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bound("--resets", 0, "reset_cache calls")
     bound("--preemptions", 0, "preemptions")
     bound("--max-jobs", 0, "jobs created in all; 0: no bound")
+    bound("--deadlines", 0, "store deadlines that may pass (time_out, quarantine)")
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
+    b.add_argument(
+        "--durable",
+        action="store_true",
+        help="the last tier syncs each cascade in the background (its own pending work)",
+    )
+    b.add_argument(
+        "--shutdown", action="store_true", help="the engine may be shut down (bounded): flush_all, give up, stop"
+    )
+    b.add_argument(
+        "--promotions", action="store_true", help="the tiers hit what they hold: lookups promote it into the primary"
+    )
     o = p.add_argument_group("run")
+    o.add_argument(
+        "--drain",
+        choices=[m.value for m in DrainMode],
+        default=None,
+        help="the engine's drain mode (spec/invariants.toml [[drain_mode]]): non_blocking (the default, #45595) "
+        "or blocking (the #42611 baseline, which responsiveness rejects)",
+    )
+    o.add_argument(
+        "--diagram", action="store_true", help="also print each counterexample as a Mermaid sequence diagram"
+    )
     o.add_argument("--keep-going", action="store_true", help="report the first violation of every invariant")
     o.add_argument("--no-liveness", action="store_true", help="skip the liveness check (and keep no edges)")
     o.add_argument(
@@ -110,7 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"stop after this many states (0: no limit, the default; at most {MAX_STATES:,})",
     )
-    o.add_argument("--replay", action="store_true", help="also replay every edge on the implementation and probe it")
+    o.add_argument(
+        "--replay",
+        action="store_true",
+        help="also replay every edge on the implementation and probe it; with a violation, replay its counterexample",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress display")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--brief", action="store_true", help="counterexamples without the state after each event")
@@ -150,7 +186,11 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         resets=get("resets"),
         preemptions=get("preemptions"),
         failures=not args.no_failures,
+        durable=bool(getattr(args, "durable", False)),
+        promotions=bool(getattr(args, "promotions", False)),
+        shutdown=bool(getattr(args, "shutdown", False)),
         max_jobs=get("max_jobs"),
+        deadlines=get("deadlines"),
     )
 
 
@@ -178,9 +218,17 @@ def run(args: argparse.Namespace) -> int:
     if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:
         raise ConfigError(f"max_states must be an integer from 0 to {MAX_STATES}, got {max_states!r}")
     show = not args.quiet and not args.json
-    model = Model(bounds)
+    drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
+    if args.replay and drain is not DrainMode.NON_BLOCKING:
+        raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
+    if args.replay and (bounds.tiers > 1 or bounds.durable or bounds.promotions or bounds.deadlines or bounds.shutdown):
+        raise ConfigError(
+            "--replay has one loopback tier that never hits and no durable sync; expected --tiers 0 or 1 "
+            "without --durable, --promotions, --deadlines or --shutdown"
+        )
+    model = Model(bounds, drain)
     if show:
-        print(f"kvfsm check: {_bounds_text(bounds)}", file=sys.stderr)
+        print(f"kvfsm check: {_bounds_text(bounds)}, drain={drain.value}", file=sys.stderr)
     with progress_display(show) as progress:
         result = explore(
             bounds,
@@ -205,20 +253,54 @@ def run(args: argparse.Namespace) -> int:
             "probe_failures": rep.probe_failures[:20],
         }
         summary["replay"] = replay
+    followed: list[str] = []
+    if args.replay and result.violations:
+        followed = [replay_counterexample(v, model) for v in result.violations]
+        summary["counterexample_replays"] = followed
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
     else:
-        _print_text(result, model, replay, brief=args.brief)
+        _print_text(result, model, replay, brief=args.brief, diagram=bool(getattr(args, "diagram", False)))
+        for line in followed:
+            print(line)
     failed = bool(result.violations) or bool(replay and (replay["mismatches"] or replay["probe_failures"]))
     return 1 if failed else 0
+
+
+def replay_counterexample(v: Violation, model: Model) -> str:
+    """Drive the implementation along a counterexample (``kvfsm check --replay`` when a violation is found)
+    and say, in one line, whether the real code follows it event for event."""
+    from kvfsm.check.replay import abstract, replay_path
+    from kvfsm.errors import KvfsmError
+
+    try:
+        h = replay_path(model.bounds, model, v.path, v.states)
+    except (AssertionError, KvfsmError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"the implementation does NOT follow the {v.invariant} counterexample: {first}"
+    if v.label is None:
+        return f"the implementation follows all {v.length} events of the {v.invariant} counterexample"
+    _, refs = abstract(h, model)
+    try:
+        h.apply(v.label, refs)
+    except KvfsmError as exc:
+        return (
+            f"the implementation follows the {v.invariant} counterexample for {len(v.path)} events and refuses "
+            f"the violating one: {type(exc).__name__}: {exc}"
+        )
+    return (
+        f"the implementation follows all {v.length} events of the {v.invariant} counterexample, the violating one too"
+    )
 
 
 def _bounds_text(b: Bounds) -> str:
     return ", ".join(f"{k}={v}" for k, v in b.as_dict().items())
 
 
-def _print_text(result: ExplorationResult, model: Model, replay: dict[str, Any] | None, *, brief: bool) -> None:
+def _print_text(
+    result: ExplorationResult, model: Model, replay: dict[str, Any] | None, *, brief: bool, diagram: bool = False
+) -> None:
     status = "complete" if result.complete else "stopped early"
     print(
         f"{result.states:,} states, {result.edges:,} edges in {result.seconds:.2f} s "
@@ -226,10 +308,15 @@ def _print_text(result: ExplorationResult, model: Model, replay: dict[str, Any] 
         f"{status}"
         + (f", {result.pruned:,} edges pruned by --max-jobs" if result.pruned else "")
         + (", liveness checked" if result.liveness_checked else "")
+        + f"; drain={result.drain.value}, responsiveness checked on {result.responsiveness_checks:,} arrivals "
+        "while draining"
     )
     for v in result.violations:
         print()
         print(format_trace(v, model, states=not brief))
+        if diagram:
+            print()
+            print(mermaid_sequence(v, model))
     if replay is not None:
         print(
             f"replayed {replay['edges_replayed']:,} edges and {replay['probes']:,} negative probes on the "

@@ -10,7 +10,9 @@ code, step for step, by :mod:`kvfsm.check.replay`):
 * the connector's scheduler half: store and load jobs (the job machine), each copied by ``W`` workers
   that launch, finish and report their shards independently (a shard may fail);
 * the CPU primary tier: one slot machine per chunk key, ``S`` slots, LRU eviction;
-* optionally one write-through secondary tier whose cascades are the manager's pending work;
+* up to two write-through secondary tiers (every commit cascades to each), whose cascades are the
+  tiering manager's pending work; with ``Bounds.durable`` the last tier syncs each written cascade in the
+  background, its own ``has_pending_work()``;
 * GPU memory as ``G`` block groups (one request's blocks each), so a finished request's blocks can be
   handed to another request while its stores still read them (fences).
 
@@ -25,12 +27,21 @@ symmetry class: requests (interchangeable apart from their prompt), jobs, GPU bl
 ranks are renumbered in a deterministic order, which is sound (the representative is isomorphic to the
 state) even where it does not merge every symmetric pair.
 
+Ground truth: "a transfer remains" is judged from the model's own shard states (unlaunched, copying,
+finished but unreported, reported while still copying) and tier I/O states (copying, done, syncing), never
+by re-evaluating ``pending_push_work``; the value the engine is told is computed from the bookkeeping
+(the scheduler's awaited jobs, the tiering manager's terms) and compared with it. The components that
+answer the engine (:meth:`Model.manager_pending`, :meth:`Model.backend_reports`, :meth:`Model.tier_reports`)
+are separate methods, so that a bug planted in one (tests/planted_model_bugs.py) is caught by that ground
+truth.
+
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
-one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tier
-never hits, so there are no promotions; a flush's blocking wait always completes the copy successfully;
+one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tiers
+never hit, so there are no promotions; a flush's blocking wait always completes the copy successfully;
 no deadlines and no shutdown (the engine machine's ``shutdown`` / ``stop`` rows are not explored); a reset
 is modelled with relative job ids (a discarded job is "below the threshold" iff its id 0 is below
-``stale_threshold_after_reset(1, 0)``).
+``stale_threshold_after_reset(1, 0)``). The drain mode (:class:`~kvfsm.check.properties.DrainMode`) is
+the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` wait is the ``blocked`` flag.
 """
 
 from __future__ import annotations
@@ -41,10 +52,12 @@ from typing import Any, NamedTuple
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
+from kvfsm.check.properties import DrainMode, load_drain_modes
 from kvfsm.control.decisions import settle_event
 from kvfsm.errors import ConfigError, InvalidTransition
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.machines.names import (
+    EngineEffect,
     EngineEvent,
     EngineState,
     JobEffect,
@@ -65,7 +78,9 @@ __all__ = [
     "E_RUN",
     "E_WAIT",
     "LOAD",
+    "REPORTED_COPYING",
     "STORE",
+    "SYNCING",
     "TOKENS_PER_BLOCK",
     "WRITING",
     "Bounds",
@@ -92,7 +107,19 @@ STORE, LOAD = 0, 1
 KIND_NAMES = ("store", "load")
 # A worker's shard of a job.
 UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED = 0, 1, 2, 3, 4
-SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported")
+#: A shard its backend reported finished while its copy still runs (only a lying backend does that): the
+#: model's ground truth keeps the copy running until it really ends.
+REPORTED_COPYING = 5
+#: A cascade to a durable tier whose write was reported, while its fsync, directory sync and index
+#: persistence still run in the background (the tier's own has_pending_work()).
+SYNCING = 6
+SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
+#: Shard states in which a copy still runs or has not been reported: a transfer remains (ground truth).
+_UNFINISHED_SHARDS = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+#: Shard states in which a copy has not started or still runs (its memory must stay put).
+_BUSY = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
+#: Shard states in which a copy runs or has finished unreported (it holds memory until a poll hands it back).
+_UNREPORTED_COPIES = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 # A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
 ABSENT, WRITING, READY = -2, -1, 0
 
@@ -114,7 +141,11 @@ class Bounds:
     workers: int = 2  #: W, tensor-parallel workers copying each job
     slots: int = 2  #: CPU primary slots
     groups: int = 2  #: GPU block groups (one request's blocks each)
-    tiers: int = 1  #: 0, or 1 write-through secondary tier (its cascades are the manager's pending work)
+    tiers: int = 1  #: 0, 1 or 2 write-through secondary tiers (each commit cascades to every tier)
+    durable: bool = False  #: the last tier is durable: after a cascade's write it syncs in the background
+    promotions: bool = False  #: the tiers answer HIT for what they hold: a lookup promotes it into the primary
+    deadlines: int = 0  #: store deadlines (Deadlines.store_s) that may pass, in all: time_out and quarantine
+    shutdown: bool = False  #: the engine may be shut down (bounded): flush_all, give up at the deadline, stop
     resets: int = 1  #: reset_cache calls
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
@@ -126,12 +157,16 @@ class Bounds:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"bound {name} must be a positive integer, got {value!r}")
-        for name in ("tiers", "resets", "preemptions", "max_jobs"):
+        for name in ("tiers", "resets", "preemptions", "max_jobs", "deadlines"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"bound {name} must be a non-negative integer, got {value!r}")
-        if self.tiers > 1:
-            raise ConfigError(f"the model has at most one secondary tier, got tiers={self.tiers}")
+        if self.tiers > 2:
+            raise ConfigError(f"the model has at most two secondary tiers, got tiers={self.tiers}")
+        if self.durable and not self.tiers:
+            raise ConfigError("durable=True needs a secondary tier (tiers >= 1)")
+        if self.promotions and not self.tiers:
+            raise ConfigError("promotions=True needs a secondary tier (tiers >= 1)")
         if self.workers > 8:
             raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
 
@@ -179,13 +214,21 @@ class JobRec(NamedTuple):
     shards: tuple[int, ...]  #: per worker rank: UNLAUNCHED .. REPORTED
     ignored: bool  #: discarded by a reset and below the stale threshold: late reports are dropped
     world_size: int
+    expired: bool = False  #: its deadline has passed (the clock, ground truth); the next step times it out
 
 
 class TierRec(NamedTuple):
-    """A cascade (primary to secondary tier) in flight: COPYING, DONE_OK or DONE_FAIL (not yet polled)."""
+    """A cascade (primary to a secondary tier) that is not over: its tier's I/O is COPYING, DONE_OK or
+    DONE_FAIL (finished, not polled yet) or SYNCING (a durable tier's background sync after the write)."""
 
     keys: tuple[int, ...]
-    status: int
+    status: int  #: the tier's I/O, the ground truth: COPYING, DONE_OK, DONE_FAIL or SYNCING
+    tier: int = 0  #: which secondary tier
+    #: the tiering manager polled it as finished (it left the manager's transfer map): an honest tier's
+    #: record is then gone or SYNCING; a lying tier's may still be COPYING
+    harvested: bool = False
+    #: a promotion (tier to primary) rather than a cascade; UNLAUNCHED while it is queued for the step
+    promote: bool = False
 
 
 class State(NamedTuple):
@@ -201,6 +244,15 @@ class State(NamedTuple):
     resets: int
     preemptions: int
     created: int  #: jobs created (counted only when Bounds.max_jobs is set)
+    #: DrainMode.BLOCKING only: the engine-core thread is inside flush_all's wait, in the middle of a step
+    #: (the input queue is not read, no lookup or step runs) until every flushed copy has finished.
+    blocked: bool = False
+    #: Bounds.promotions only: per secondary tier, the bitmask of keys whose copy it holds (ground truth:
+    #: a cascade's I/O that succeeded wrote it; a failed promotion invalidates it)
+    held: tuple[int, ...] = ()
+    expiries: int = 0  #: deadlines that have passed (counted only when Bounds.deadlines is set)
+    #: a bounded shutdown gave up (abandon_jobs, abandon_transfers): what is left is no longer pending work
+    abandoned: bool = False
 
 
 class ModelViolation(Exception):
@@ -290,7 +342,7 @@ def _reported(shards: Sequence[int]) -> int:
     """The job's ``reported_mask``: the ranks whose shard has reported."""
     mask = 0
     for rank, shard in enumerate(shards):
-        if shard == REPORTED:
+        if shard in (REPORTED, REPORTED_COPYING):
             mask |= 1 << rank
     return mask
 
@@ -302,9 +354,13 @@ class _World:
     """A mutable copy of a State, for the transitions that touch many parts of it."""
 
     __slots__ = (
+        "abandoned",
         "arrivals",
+        "blocked",
         "created",
         "engine",
+        "expiries",
+        "held",
         "jobs",
         "lru",
         "polled",
@@ -329,6 +385,10 @@ class _World:
         self.resets = s.resets
         self.preemptions = s.preemptions
         self.created = s.created
+        self.blocked = s.blocked
+        self.held = list(s.held)
+        self.expiries = s.expiries
+        self.abandoned = s.abandoned
 
     def freeze(self) -> State:
         new = tuple.__new__
@@ -347,6 +407,10 @@ class _World:
                 self.resets,
                 self.preemptions,
                 self.created,
+                self.blocked,
+                tuple(self.held),
+                self.expiries,
+                self.abandoned,
             ),
         )
 
@@ -354,7 +418,8 @@ class _World:
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
 _J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
-_T_KEYS, _T_STATUS = range(2)
+_J_EXPIRED = 10
+_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED, _T_PROMOTE = range(5)
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
 CHECKED_INVARIANTS = (
@@ -381,8 +446,11 @@ _MACHINE_INVARIANT = {
 class Model:
     """The transition system: :attr:`initial`, :meth:`successors`, :meth:`invariants`, :meth:`canonical`."""
 
-    def __init__(self, bounds: Bounds | None = None) -> None:
+    def __init__(self, bounds: Bounds | None = None, drain: DrainMode = DrainMode.NON_BLOCKING) -> None:
         self.bounds = b = bounds if bounds is not None else Bounds()
+        self.drain = DrainMode(drain)
+        # The effect the spec's drain mode puts on the settle [pending_push_work] rows (flush_all: blocking).
+        self.settle_effect = load_drain_modes()[self.drain].settle_effect
         self.W = b.workers
         self.C = b.chunks
         self.S = b.slots
@@ -406,7 +474,24 @@ class Model:
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
         self.last_kept: tuple[list[int], list[int]] | None = None
-        self.initial = State(EngineState.IDLE, (), (), (ABSENT,) * b.num_keys, (), (), False, False, 0, 0, 0, 0)
+        self.initial = State(
+            EngineState.IDLE,
+            (),
+            (),
+            (ABSENT,) * b.num_keys,
+            (),
+            (),
+            False,
+            False,
+            0,
+            0,
+            0,
+            0,
+            False,
+            (0,) * b.tiers if b.promotions else (),
+            0,
+            False,
+        )
 
     # ------------------------------------------------------------------ spec machines, memoized
 
@@ -493,10 +578,87 @@ class Model:
         """Jobs the scheduler awaits (its ``_jobs``)."""
         return [j for j in jobs if j[_J_STATE] in _LIVE]
 
-    def has_pending_push_work(self, jobs: Sequence[JobRec], tier: Sequence[Any]) -> bool:
-        """The implementation's pending_push_work() over the model's awaited jobs and tier transfers."""
-        live = [j for j in jobs if j.state in _LIVE]
-        return self.pending_push_work(live, lambda: bool(tier))
+    def has_pending_push_work(self, jobs: Sequence[Any], tier: Sequence[Any], abandoned: bool = False) -> bool:
+        """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
+        has_pending_work(): what the engine is told, computed from the bookkeeping. After a shutdown gave
+        up (``abandoned``), neither the quarantine nor the manager's transfers count."""
+        live = [j if isinstance(j, JobRec) else _new(JobRec, j) for j in jobs if j[_J_STATE] in _LIVE]
+        if abandoned:
+            return self.pending_push_work(live, lambda: False)
+        return self.pending_push_work(live, lambda: self.quarantine_pending(jobs) or self.manager_pending(tier))
+
+    # ------------------------------------------------------------------ the model's components
+    #
+    # Small methods that stand for one component's answer, so that a planted bug can sit in a component
+    # (tests/planted_model_bugs.py) rather than in a pure decision shared with the implementation: the
+    # checker must then catch it by its own ground truth (the shard and tier states), not by re-asking the
+    # component.
+
+    def quarantine_pending(self, jobs: Sequence[Any]) -> bool:
+        """The scheduler's quarantine term: a timed-out job whose launched copies have not all reported."""
+        return any(
+            j[_J_STATE] is JobState.TIMED_OUT
+            and not j[_J_IGNORED]
+            and any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
+            for j in jobs
+        )
+
+    def deadline_queue_pops(self, jobs: Sequence[Any]) -> list[int]:
+        """Deadlines.pop_expired at build_connector_meta: every awaited job whose deadline has passed."""
+        return [j for j, job in enumerate(jobs) if job[_J_EXPIRED] and job[_J_STATE] in _LIVE]
+
+    def manager_pending(self, tier: Sequence[Any]) -> bool:
+        """TieringManager.has_pending_work(): transfers in its map, or a tier's own pending work."""
+        return self.transfers_pending(tier) or self.tiers_pending(tier)
+
+    def transfers_pending(self, tier: Sequence[Any]) -> bool:
+        """The manager's transfer-map term: cascades and promotions it has not polled as finished (queued
+        promotions are not in the map yet: the step that follows their lookup submits them)."""
+        return any(not t[_T_HARVESTED] and not (t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED) for t in tier)
+
+    def tiers_pending(self, tier: Sequence[Any]) -> bool:
+        """``any(tier.has_pending_work() for tier in tiers)``: a durable tier's background sync."""
+        return any(t[_T_HARVESTED] and t[_T_STATUS] == SYNCING for t in tier)
+
+    def backend_reports(self, shard: int) -> bool | None:
+        """What a worker's copy backend reports for a shard at a poll: True (done), False (failed), None."""
+        if shard == DONE_OK:
+            return True
+        if shard == DONE_FAIL:
+            return False
+        return None
+
+    def tier_reports(self, rec: Sequence[Any]) -> bool:
+        """Whether a tier reports a cascade or promotion finished at the manager's poll (its I/O ended)."""
+        return bool(rec[_T_STATUS] in (DONE_OK, DONE_FAIL))
+
+    def promotion_source(self, held: Sequence[int], key: int) -> int | None:
+        """TieringManager.lookup: the first tier (in order) whose lookup answers HIT for ``key``, or None."""
+        for t, mask in enumerate(held):
+            if mask >> key & 1:
+                return t
+        return None
+
+    # ------------------------------------------------------------------ ground truth
+
+    @staticmethod
+    def transfer_remains(s: State) -> str | None:
+        """What work remains by the model's own shard and tier states (never by asking a component): a
+        non-stale job with a shard not yet launched, copying, or finished but not reported, or a cascade
+        whose tier I/O or sync is not over. None when nothing remains."""
+        for job in s.jobs:
+            if job.state is not JobState.STALE and not job.ignored:
+                # An awaited job still has to launch; a terminal one (timed out) only has its launched copies.
+                unfinished = _UNFINISHED_SHARDS if job.state in _LIVE else _UNREPORTED_COPIES
+                for rank, sh in enumerate(job.shards):
+                    if sh in unfinished:
+                        what = "timed-out " if job.state is JobState.TIMED_OUT else ""
+                        return f"rank {rank}'s shard of a {what}{KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
+        for rec in s.tier:
+            if not (rec.promote and rec.status == UNLAUNCHED):  # a queued promotion is a reservation
+                what = "promotion" if rec.promote else "cascade"
+                return f"tier {rec.tier}'s {what} of keys {list(rec.keys)} is {SHARD_NAMES[rec.status]}"
+        return None
 
     # ------------------------------------------------------------------ successors
 
@@ -512,6 +674,10 @@ class Model:
             return self._copy_done(s, label[1], label[2], label[3])
         if kind == "tier":
             return self._tier_done(s, label[1], label[2])
+        if kind == "sync":
+            return self._sync_done(s, label[1])
+        if kind == "expire":
+            return self._expire(s, label[1])
         if kind == "arrive":
             return self._guard(self._arrive, s, label[1])
         if kind == "lookup":
@@ -527,9 +693,19 @@ class Model:
             return self._guard(self._finish_request, s, label[1])
         if kind == "reset":
             return self._guard(self._reset, s, -1)
+        if kind == "unblock":
+            return self._guard(self._unblock, s, -1)
+        if kind == "shutdown":
+            return self._guard(self._shutdown, s, -1)
+        if kind == "give_up":
+            return self._guard(self._give_up, s, -1)
+        if kind == "stop":
+            return self._guard(self._stop, s, -1)
         raise ModelViolation("model", f"unknown event {label!r}")
 
     def _lookup_all(self, s: State, i: int) -> Iterator[tuple[Label, State | ModelViolation | None]]:
+        if s.blocked:
+            return
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
@@ -548,14 +724,37 @@ class Model:
                 if shard == COPYING:
                     for ok in outcomes:
                         yield ("copy", j, w, ok), self._copy_done(s, j, w, ok)
+                elif shard == REPORTED_COPYING:  # already reported: only its end is left
+                    yield ("copy", j, w, True), self._copy_done(s, j, w, True)
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
                 for ok in outcomes:
                     yield ("tier", c, ok), self._tier_done(s, c, ok)
+            elif rec.status == SYNCING:
+                yield ("sync", c), self._sync_done(s, c)
+        if s.expiries < b.deadlines:
+            for j, job in enumerate(s.jobs):
+                if job.kind == STORE and job.state in _LIVE and not job.expired:
+                    yield ("expire", j), self._expire(s, j)
+        if s.engine is EngineState.STOPPED:
+            return  # the process has stopped: nothing else happens
+        if s.engine is EngineState.SHUTTING_DOWN:
+            # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
+            if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
+                yield ("step",), self._guard(self._step, s, -1)
+                yield ("give_up",), self._guard(self._give_up, s, -1)
+            else:
+                yield ("stop",), self._guard(self._stop, s, -1)
+            return
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
                 yield ("arrive", p), self._guard(self._arrive, s, p)
+        if s.blocked:
+            # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
+            if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
+                yield ("unblock",), self._guard(self._unblock, s, -1)
+            return
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
@@ -573,6 +772,8 @@ class Model:
                     yield ("finish", i), self._guard(self._finish_request, s, i)
             if s.resets < b.resets:
                 yield ("reset",), self._guard(self._reset, s, -1)
+            if b.shutdown:
+                yield ("shutdown",), self._guard(self._shutdown, s, -1)
 
     def _guard(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
         try:
@@ -591,18 +792,131 @@ class Model:
     def _copy_done(self, s: State, j: int, w: int, ok: bool) -> State:
         job = s.jobs[j]
         shards = list(job.shards)
-        shards[w] = DONE_OK if ok else DONE_FAIL
+        shards[w] = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
         jobs = list(s.jobs)
         jobs[j] = job._replace(shards=tuple(shards))
         return s._replace(jobs=tuple(jobs))
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
+        """The tier's I/O for cascade ``c`` ends (ok or failed)."""
         tier = list(s.tier)
-        tier[c] = TierRec(tier[c].keys, DONE_OK if ok else DONE_FAIL)
+        rec = tier[c]
+        if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
+            if ok and self._durable(rec.tier) and not rec.promote:
+                tier[c] = rec._replace(status=SYNCING)
+            else:
+                del tier[c]
+        else:
+            tier[c] = rec._replace(status=DONE_OK if ok else DONE_FAIL)
+        if ok and s.held and not rec.promote:  # the tier now holds a copy of the cascaded keys
+            held = list(s.held)
+            for key in rec.keys:
+                held[rec.tier] |= 1 << key
+            return s._replace(tier=tuple(tier), held=tuple(held))
         return s._replace(tier=tuple(tier))
 
+    def _expire(self, s: State, j: int) -> State:
+        """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
+        jobs = list(s.jobs)
+        jobs[j] = jobs[j]._replace(expired=True)
+        return s._replace(jobs=tuple(jobs), expiries=s.expiries + 1)
+
+    def _time_out(self, w: _World, j: int) -> None:
+        """OffloadingScheduler.expire_jobs for one job: time_out / release, in two parts (spec/README.md,
+        "Quarantine"): the job leaves the job map and its request at once; its slots are handed back only
+        once every launched copy has reported (at once if none was launched)."""
+        job = w.jobs[j]
+        shards = job[_J_SHARDS]
+        job[_J_STATE] = self.job_event(
+            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), JobEvent.TIME_OUT, 0
+        )[0]
+        i = job[_J_REQ]
+        job[_J_REQ] = -1
+        if not any(sh in _UNREPORTED_COPIES for sh in shards):
+            self._release(w, job)
+        if (
+            i >= 0
+            and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED
+            and not any(x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs)
+        ):
+            self._fire_req(w, i, RequestEvent.DELETE)
+
+    def _release(self, w: _World, job: list[Any]) -> None:
+        """The RELEASE effect's memory part: a store's slots are freed, a load's unpinned."""
+        if job[_J_KIND] == STORE:
+            self._complete_store(w, job[_J_KEYS], False)
+        else:
+            self._complete_load(w, job[_J_KEYS])
+
+    # -- bounded shutdown (EngineLoop.shutdown)
+
+    def _shutdown(self, s: State, _: int) -> State:
+        """shutdown(timeout): abort every live request, then fire shutdown / flush_all."""
+        w = _World(s)
+        for i, r in enumerate(w.reqs):
+            if r[_R_ENG] != E_DONE and r[_R_PHASE] not in _FINISHED_PHASES:
+                self._fire_req(w, i, RequestEvent.FINISH)
+                r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
+                if r[_R_ENG] in (E_RUN, E_WAIT):
+                    r[_R_ENG] = E_DONE
+                    r[_R_POS] = -1
+        w.engine = self.engine_event(w.engine, EngineEvent.SHUTDOWN, False)
+        return self._compact(w)
+
+    def _give_up(self, s: State, _: int) -> State:
+        """The shutdown deadline passes (abandon_jobs): jobs no worker launched are cancelled, launched ones
+        time out (quarantined, but given up on), and the manager gives up its transfers."""
+        w = _World(s)
+        for j, job in enumerate(w.jobs):
+            if job[_J_STATE] not in _LIVE:
+                continue
+            shards = job[_J_SHARDS]
+            if _mask(shards) == 0:
+                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, JobEvent.CANCEL, 0)
+                job[_J_STATE] = state
+                self._job_finished(w, j, effect)
+            else:
+                self._time_out(w, j)
+        w.abandoned = True
+        return self._compact(w)
+
+    def _stop(self, s: State, _: int) -> State:
+        """stop [no_pending_push_work], then release_quarantine and the tiers' shutdown: nothing can use
+        the memory any more, so every quarantined slot and every abandoned transfer's pin is handed back."""
+        w = _World(s)
+        w.engine = self.engine_event(
+            w.engine, EngineEvent.STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned)
+        )
+        for job in w.jobs:
+            if (
+                job[_J_STATE] is JobState.TIMED_OUT
+                and not job[_J_IGNORED]
+                and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+            ):
+                self._release(w, job)
+                job[_J_SHARDS] = tuple(REPORTED if sh != UNLAUNCHED else sh for sh in job[_J_SHARDS])
+        for t in w.tier:
+            for key in t[_T_KEYS]:
+                if t[_T_PROMOTE]:
+                    if w.slots[key] == WRITING:
+                        w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                elif not t[_T_HARVESTED]:
+                    self._end_read(w, key)
+        w.tier = []
+        return self._compact(w)
+
+    def _sync_done(self, s: State, c: int) -> State:
+        """A durable tier's background sync of cascade ``c`` finishes: the data is durable."""
+        tier = list(s.tier)
+        del tier[c]
+        return s._replace(tier=tuple(tier))
+
+    def _durable(self, t: int) -> bool:
+        return self.bounds.durable and t == self.bounds.tiers - 1
+
     def _arrive(self, s: State, prompt: int) -> State:
-        engine = self.engine_event(s.engine, EngineEvent.ADMIT, False)
+        # A blocked engine does not read its input queue: the request waits there, not admitted yet.
+        engine = s.engine if s.blocked else self.engine_event(s.engine, EngineEvent.ADMIT, False)
         req = Req(RequestState.TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
         return s._replace(engine=engine, reqs=(*s.reqs, req), arrivals=s.arrivals + 1)
 
@@ -635,10 +949,16 @@ class Model:
         being_loaded = {k for j in w.jobs if j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for k in j[_J_KEYS]}
         hits = 0
         must_wait = False
+        scanned: set[int] = set()
         for key in self.prompt_keys[r[_R_PROMPT]]:
             code = w.slots[key]
             if code == ABSENT:
-                break  # the tier answers MISS too
+                src = self.promotion_source(w.held, key) if w.held else None
+                if src is not None and self._reserve(w, key, scanned):
+                    w.tier.append([(key,), UNLAUNCHED, src, False, True])
+                    must_wait = True  # HIT_PENDING: the request defers until the promotion commits
+                break  # else MISS: compute the rest
+            scanned.add(key)
             if code == WRITING:
                 must_wait = True
                 break
@@ -672,7 +992,7 @@ class Model:
             self._begin_read(w, key)
         r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)[0]
         self._count_job(w)
-        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
         r[_R_NEXT] = hits
         r[_R_ENG] = E_LOAD
         r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
@@ -709,11 +1029,35 @@ class Model:
     def _poll(self, w: _World) -> None:
         """TieringManager._poll: apply every finished cascade, in the tier's report order (by keys)."""
         w.polled = True
-        done = sorted((t for t in w.tier if t[_T_STATUS] != COPYING), key=lambda t: t[_T_KEYS])
+        done = sorted(
+            (t for t in w.tier if not t[_T_HARVESTED] and self.tier_reports(t)), key=lambda t: (t[_T_TIER], t[_T_KEYS])
+        )
         if not done:
             return
-        w.tier = [t for t in w.tier if t[_T_STATUS] == COPYING]
+        kept = []
+        for t in w.tier:
+            if t[_T_HARVESTED] or not self.tier_reports(t):
+                kept.append(t)
+            elif t[_T_STATUS] == COPYING or (
+                t[_T_STATUS] == DONE_OK and self._durable(t[_T_TIER]) and not t[_T_PROMOTE]
+            ):
+                # Reported, but the tier's I/O (a lie) or a durable tier's sync still runs.
+                status = SYNCING if t[_T_STATUS] == DONE_OK else COPYING
+                kept.append([t[_T_KEYS], status, t[_T_TIER], True, t[_T_PROMOTE]])
+        w.tier = kept
         for t in done:
+            if t[_T_PROMOTE]:
+                # The promotion's job commits (the slot becomes readable) or releases it, and a failed
+                # promotion invalidates the tier's copy (#49176).
+                ok = t[_T_STATUS] != DONE_FAIL
+                for key in t[_T_KEYS]:
+                    if ok:
+                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.COMMIT_WRITE)
+                        w.lru.append(key)
+                    else:
+                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.ABORT_WRITE)
+                        w.held[t[_T_TIER]] &= ~(1 << key)
+                continue
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
             for key in t[_T_KEYS]:
                 self._end_read(w, key)
@@ -721,6 +1065,19 @@ class Model:
     def _maybe_poll(self, w: _World) -> None:
         if self.bounds.tiers and not w.polled:
             self._poll(w)
+
+    def _reserve(self, w: _World, key: int, protected: set[int]) -> bool:
+        """primary.prepare_write([key], protected): reserve a slot for a promotion, evicting only an
+        unprotected ready slot (this scan's hits are protected); False when none is left (the key MISSes)."""
+        held = sum(1 for code in w.slots if code != ABSENT)
+        if held >= self.S:
+            victims = [k for k in w.lru if k not in protected]
+            if not victims:
+                return False
+            w.lru.remove(victims[0])
+            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], SlotEvent.EVICT, "evict_only_ready_unreferenced")
+        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+        return True
 
     def _prepare_store(self, w: _World, keys: Sequence[int]) -> tuple[int, ...] | None:
         """CPUOffloadingManager.prepare_store: the keys to store, () if none is new, None if they can't fit."""
@@ -759,9 +1116,10 @@ class Model:
                 w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
         if success and self.bounds.tiers:
             cascade = tuple(writing)
-            for key in cascade:
-                self._begin_read(w, key)
-            w.tier.append([cascade, COPYING])
+            for t in range(self.bounds.tiers):  # written through to every tier, each cascade pinning the keys
+                for key in cascade:
+                    self._begin_read(w, key)
+                w.tier.append([cascade, COPYING, t, False, False])
 
     def _complete_load(self, w: _World, keys: Sequence[int]) -> None:
         for key in keys:
@@ -797,9 +1155,22 @@ class Model:
         allocated = {r[_R_GROUP] for r in reqs if r[_R_ALLOC]}
         new_jobs_from = len(w.jobs)
 
-        # build_connector_meta
-        if self.bounds.tiers:  # manager.on_schedule_end: poll, then reopen the gate
+        # build_connector_meta: expire_jobs first
+        if self.bounds.deadlines:
+            for j in self.deadline_queue_pops(w.jobs):
+                self._time_out(w, j)
+            for job in w.jobs:  # ground truth: the clock; every deadline passed is noticed by this step
+                if job[_J_EXPIRED] and job[_J_STATE] in _LIVE:
+                    raise ModelViolation(
+                        "deadlines_noticed",
+                        f"a {KIND_NAMES[job[_J_KIND]]} job (keys {list(job[_J_KEYS])}) is past its deadline and "
+                        "still awaited after build_connector_meta",
+                    )
+        if self.bounds.tiers:  # manager.on_schedule_end: poll, submit the queued promotions, reopen the gate
             self._poll(w)
+            for t in w.tier:
+                if t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED:
+                    t[_T_STATUS] = COPYING
             w.polled = False
         flush: set[int] = set()
         if preempt >= 0:
@@ -819,7 +1190,7 @@ class Model:
             if not any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs):
                 self._fire_req(w, i, RequestEvent.DELETE)
         if w.reset_flush:
-            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE)
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
             w.reset_flush = False
         for r in reqs:
             r[_R_ALLOC] = False
@@ -845,8 +1216,14 @@ class Model:
             if n > 0:
                 written.setdefault(reqs[i][_R_GROUP], i)
         for job in w.jobs:
-            if job[_J_GROUP] in written and job[_J_REQ] != written[job[_J_GROUP]]:
-                busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in (UNLAUNCHED, COPYING)]
+            # A timed-out store's blocks are unfenced on purpose: its copy only ever writes a slot that is
+            # never committed.
+            if (
+                job[_J_GROUP] in written
+                and job[_J_REQ] != written[job[_J_GROUP]]
+                and job[_J_STATE] is not JobState.TIMED_OUT
+            ):
+                busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in _BUSY]
                 if busy:
                     what = "reads" if job[_J_KIND] == STORE else "is loading into"
                     raise ModelViolation(
@@ -862,18 +1239,61 @@ class Model:
                 for rank in range(W):
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
-        # Poll every worker, then update_connector_output with the summed reports.
+        return self._step_tail(w)
+
+    def _step_tail(self, w: _World) -> State:
+        """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
         self._report(w)
         self._finish_loads(w)
-        # The engine settles.
-        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in reqs))
+        if w.engine is EngineState.SHUTTING_DOWN:
+            return self._compact(w)  # flush_all's empty step: no settle
+        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
         if event is EngineEvent.SETTLE:
-            live = [JobRec(*j) for j in w.jobs if j[_J_STATE] in _LIVE]
-            tier = w.tier
-            w.engine = self.engine_event(w.engine, event, self.pending_push_work(live, lambda: bool(tier)))
+            live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
+            pending = self.has_pending_push_work(w.jobs, w.tier)
+            if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
+                # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
+                # them inside this step; the step resumes (unblock) once every flushed copy has finished.
+                for job in w.jobs:
+                    if job[_J_STATE] in _LIVE:
+                        for rank in range(self.W):
+                            self._launch(job, rank)
+                w.blocked = True
+                return self._compact(w)
+            w.engine = self.engine_event(w.engine, event, pending)
         elif event is not None:
             w.engine = self.engine_event(w.engine, event, False)
         return self._compact(w)
+
+    def _unblock(self, s: State, _: int) -> State:
+        """flush_all's wait returns (every flushed copy finished): the step polls, commits and settles."""
+        w = _World(s)
+        w.blocked = False
+        return self._step_tail(w)
+
+    def responsiveness(self, s: State, i: int) -> str | None:
+        """Why request ``i`` of ``s`` (it just arrived while the engine drained) cannot be looked up within
+        one engine step without any transfer finishing, or None when it can (spec property responsiveness)."""
+        if any(True for _ in self._lookup_all(s, i)):
+            return None
+        if s.blocked:
+            copying = sum(sh == COPYING for job in s.jobs if job.state in _LIVE for sh in job.shards)
+            return (
+                "the request that just arrived is waiting while the engine is blocked in flush_all "
+                "(settle with pending push work), "
+                f"waiting for {copying} in-flight cop{'y' if copying == 1 else 'ies'}: no lookup and no step "
+                "can run until they finish"
+            )
+        if s.engine is EngineState.IDLE:
+            return f"request #{i} arrived but the engine is idle and was not admitted"
+        nxt = self.apply(s, ("step",))
+        if not isinstance(nxt, State):
+            return None  # the step itself breaks something, reported on that edge
+        kept = self.last_kept
+        j = i if kept is None else (kept[0].index(i) if i in kept[0] else -1)
+        if j < 0 or nxt.reqs[j].eng != E_WAIT or any(True for _ in self._lookup_all(nxt, j)):
+            return None
+        return f"request #{i} arrived while the engine drained and is still not looked up after one engine step"
 
     def _launch(self, job: list[Any], rank: int) -> None:
         """OffloadingWorker._launch: terminal jobs and ranks that already launched are skipped."""
@@ -911,7 +1331,9 @@ class Model:
         g = r[_R_GROUP] if r[_R_GROUP] >= 0 else -1
         if g < 0:
             raise ModelViolation("gpu_source_not_overwritten", f"request {i} plans a store without GPU blocks")
-        w.jobs.append([STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W])
+        w.jobs.append(
+            [STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False]
+        )
         if r[_R_PHASE] is RequestState.FINISHED_UNSIGNALLED:
             fences = self._fences(w)
             if j in self.fenced_jobs(allocated & {g}, fences):
@@ -927,11 +1349,15 @@ class Model:
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
-            ok = [r for r, sh in enumerate(shards) if sh == DONE_OK]
-            bad = [r for r, sh in enumerate(shards) if sh == DONE_FAIL]
+            said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
+            ok = [r for r, x in enumerate(said) if x is True]
+            bad = [r for r, x in enumerate(said) if x is False]
             if ok or bad:
                 reported[j] = _reported(shards)
-                job[_J_SHARDS] = tuple(REPORTED if sh in (DONE_OK, DONE_FAIL) else sh for sh in shards)
+                job[_J_SHARDS] = tuple(
+                    sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
+                    for sh, x in zip(shards, said, strict=True)
+                )
                 if bad:
                     failed[j] = bad
                 if ok:
@@ -942,6 +1368,8 @@ class Model:
             if job[_J_IGNORED]:
                 continue
             keys = list(job[_J_KEYS])
+            if job[_J_STATE] is JobState.TIMED_OUT:
+                continue  # a late report of a quarantined job: absorbed by id
             if job[_J_STATE] not in _LIVE:
                 if job[_J_STATE] is JobState.STALE:
                     raise ModelViolation(
@@ -973,6 +1401,14 @@ class Model:
                     if event is JobEvent.FAIL:
                         job[_J_FAILED] += 1
                     self._job_finished(w, j, effect)
+        for j in dict.fromkeys([*failed, *completed]):
+            job = w.jobs[j]
+            if (
+                job[_J_STATE] is JobState.TIMED_OUT
+                and not job[_J_IGNORED]
+                and not any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+            ):
+                self._release(w, job)  # the last launched copy reported: release
 
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
@@ -1019,7 +1455,7 @@ class Model:
         keep_jobs = [
             n
             for n, j in enumerate(jobs)
-            if j[_J_STATE] in _LIVE or any(sh in (COPYING, DONE_OK, DONE_FAIL) for sh in j[_J_SHARDS])
+            if j[_J_STATE] in _LIVE or any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
         ]
         if len(keep_jobs) != len(jobs):
             w.jobs = [jobs[n] for n in keep_jobs]
@@ -1055,9 +1491,16 @@ class Model:
             for t in w.tier:
                 if t[_T_STATUS] == COPYING:
                     t[_T_STATUS] = DONE_OK
+                    if w.held and not t[_T_PROMOTE]:
+                        for key in t[_T_KEYS]:
+                            w.held[t[_T_TIER]] |= 1 << key
             self._poll(w)
+            w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
+            if job[_J_STATE] is JobState.TIMED_OUT and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS]):
+                job[_J_IGNORED] = ignored  # quarantined: flushed like every other stale job
+                w.reset_flush = True
             if job[_J_STATE] in _LIVE:
                 mask = _mask(job[_J_SHARDS])
                 job[_J_STATE] = self.job_event(
@@ -1090,18 +1533,29 @@ class Model:
         out: list[tuple[str, str]] = []
         live = [j for j in s.jobs if j.state in _LIVE]
         tier = s.tier
-        ground_truth = bool(live or tier)
-        if ground_truth and not self.pending_push_work(live, lambda: bool(tier)):
-            what = f"{len(live)} awaited job(s)" if live else f"{len(tier)} tier transfer(s)"
-            out.append(("pending_work_covers_jobs", f"{what} in flight but has_pending_push_work() is False"))
-        if s.engine is EngineState.IDLE and ground_truth:
-            out.append(("idle_only_when_nothing_pending", "the engine is idle while transfers are pending"))
+        # Ground truth from the model's own shard and tier states, against what the engine is told (the
+        # implementation's has_pending_push_work() over the scheduler's and the manager's bookkeeping).
+        # After a bounded shutdown gave up, what is left is abandoned, not pending (spec: "Bounded shutdown").
+        remains = None if s.abandoned else self.transfer_remains(s)
+        if remains is not None and not self.has_pending_push_work(s.jobs, tier, s.abandoned):
+            out.append(("pending_work_covers_jobs", f"{remains} but has_pending_push_work() is False"))
+        if s.engine is EngineState.STOPPED:
+            if live:
+                out.append(("idle_only_when_nothing_pending", f"stopped with {len(live)} awaited job(s)"))
+            pinned = [k for k, code in enumerate(s.slots) if code not in (ABSENT, READY)]
+            if pinned or tier:
+                out.append(("idle_only_when_nothing_pending", f"stopped with keys {pinned} pinned or reserved"))
+        if s.engine is EngineState.IDLE:
+            if remains is not None:
+                out.append(("idle_only_when_nothing_pending", f"the engine is idle while {remains}"))
+            elif any(sh in _UNREPORTED_COPIES for j in s.jobs for sh in j.shards):
+                out.append(("idle_only_when_nothing_pending", "the engine is idle while a discarded job's copy runs"))
         stale_busy = False
         fresh_busy = False
         for job in s.jobs:
-            busy = any(sh in (UNLAUNCHED, COPYING) for sh in job.shards)
-            copying = COPYING in job.shards
-            if job.state is JobState.STALE:
+            busy = any(sh in _BUSY for sh in job.shards)
+            copying = COPYING in job.shards or REPORTED_COPYING in job.shards
+            if job.state is JobState.STALE or job.ignored:
                 stale_busy = stale_busy or copying
             else:
                 fresh_busy = fresh_busy or copying
@@ -1130,16 +1584,45 @@ class Model:
                                 f"key {key} is {slot_state(s.slots[key]).value} while a load still reads it",
                             )
                         )
+        # Every cascade whose tier I/O still runs holds one reader of each of its keys (ground truth: the
+        # I/O state, whatever the manager was told), on top of the busy loads'.
+        readers: dict[int, int] = {}
         for rec in tier:
-            if rec.status == COPYING:
+            if rec.promote:
                 for key in rec.keys:
-                    if s.slots[key] < 1:
+                    if s.slots[key] != WRITING:
                         out.append(
                             (
-                                "evict_only_ready_unreferenced",
-                                f"key {key} is {slot_state(s.slots[key]).value} while a cascade reads it",
+                                "readable_only_after_commit",
+                                f"key {key} is {slot_state(s.slots[key]).value} while its promotion from tier "
+                                f"{rec.tier} is {SHARD_NAMES[rec.status]}",
                             )
                         )
+                    if s.held and not s.held[rec.tier] >> key & 1:
+                        out.append(
+                            (
+                                "readable_only_after_commit",
+                                f"key {key} is promoted from tier {rec.tier}, which holds no copy of it",
+                            )
+                        )
+            elif rec.status == COPYING:
+                for key in rec.keys:
+                    readers[key] = readers.get(key, 0) + 1
+        if readers:
+            for job in s.jobs:
+                if job.kind == LOAD and job.state is not JobState.STALE and any(sh in _BUSY for sh in job.shards):
+                    for key in job.keys:
+                        readers[key] = readers.get(key, 0) + 1
+            for key, n in readers.items():
+                if s.slots[key] < n:
+                    out.append(
+                        (
+                            "evict_only_ready_unreferenced",
+                            f"key {key} is {slot_state(s.slots[key]).value}"
+                            + (f"({s.slots[key]})" if s.slots[key] > 0 else "")
+                            + f" while {n} transfer(s) still read it",
+                        )
+                    )
         if stale_busy and fresh_busy:
             out.append(
                 (
@@ -1204,6 +1687,7 @@ class Model:
                     jobs[j][4:7],
                     sorted(jobs[j].shards),
                     jobs[j].ignored,
+                    jobs[j].expired,
                 ),
             )
             cols = [tuple(jobs[j].shards[w] for j in pre) for w in range(W)]
@@ -1223,6 +1707,7 @@ class Model:
                     job.failed_reports,
                     shards,
                     job.ignored,
+                    job.expired,
                     n,
                 )
             )
@@ -1244,7 +1729,7 @@ class Model:
             if k[2] == job.req and g == job.group and k[7] is job.shards:
                 new_jobs.append(job)
             else:
-                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size)))
+                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
         tier = s.tier
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         state = _new(
