@@ -42,7 +42,11 @@ ALLOWED: dict[str, set[str]] = {
         "kvfsm.check",
         "kvfsm.observe",
         "kvfsm.testing",
+        "kvfsm.vllm",
     },
+    # The optional vLLM integration: imports vllm itself, and every layer it plugs in.
+    "kvfsm.vllm": BASE
+    | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data", "kvfsm.check", "kvfsm.observe"},
 }
 #: Entry points may import anything: the package itself, the command line (``kvfsm check`` has its own module
 #: beside the checker) and the demo.

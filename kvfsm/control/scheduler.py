@@ -31,6 +31,7 @@ from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import OffloadingManager
+from kvfsm.control.messages import RankReport, StepMessage, merge_reports
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.types import (
     GPUBlockSpec,
@@ -480,6 +481,13 @@ class OffloadingScheduler:
             raise UnknownRequestError(
                 f"request {request.req_id!r} is not tracked; call get_num_new_matched_tokens first"
             )
+        if num_external_tokens == 0 and st.state is RequestState.RUNNING:
+            # vLLM calls again once the request's asynchronous load has finished and it is rescheduled
+            # (spec/README.md, "The scheduler/worker boundary"): no event of the request machine, only its
+            # block list grows; the blocks past those it held are fresh.
+            self._batch.allocated.update(block_ids[len(st.block_ids) :])
+            st.block_ids = list(block_ids)
+            return
         # Blocks past the local prefix are fresh: writing them must not race a fenced store.
         fresh = block_ids[st.num_local_tokens // self.config.tokens_per_block :]
         if num_external_tokens == 0:
@@ -568,6 +576,32 @@ class OffloadingScheduler:
         self._reset_flush = set()
         self._batch = _Batch()
         return meta
+
+    # ------------------------------------------------------------------ across a process boundary
+
+    def build_step_message(self, output: SchedulerOutput) -> StepMessage:
+        """:meth:`build_connector_meta` for workers in other processes: the step's jobs as plain
+        :class:`StepMessage` records (spec/README.md, "The scheduler/worker boundary").
+
+        The engine hands every step's message to all W workers, and each starts every job it receives in
+        that step, so the scheduler fires ``launch`` for every rank here: from now on each rank owes one
+        report per job (a timed-out job stays quarantined until all W have reported)."""
+        meta = self.build_connector_meta(output)
+        for jobs in (meta.load_jobs, meta.store_jobs):
+            for job in jobs.values():
+                if job.is_terminal:
+                    continue
+                for rank in range(job.world_size):
+                    if not (job.launched_mask >> rank) & 1:
+                        job.launch(rank)
+        return StepMessage.of(meta)
+
+    def apply_reports(self, reports: Iterable[RankReport]) -> None:
+        """Apply the workers' :class:`RankReport` records of one step (any number per rank, each job at
+        most once per rank): :meth:`update_connector_output` over their merge."""
+        output = merge_reports(reports)
+        if not output.is_empty():
+            self.update_connector_output(output)
 
     def _check_step(self, output: SchedulerOutput) -> None:
         """Refuse a step that schedules an untracked request or preempts one that is not running, before
