@@ -886,3 +886,21 @@ def test_step_message_wire_format_is_checked() -> None:
         StepMessage.from_wire(
             {"loads": [{**msg.load_jobs[0].to_wire(), "kind": "teleport"}], "stores": [], "flush": []}
         )
+
+
+def test_extend_running_blocks_is_only_for_a_running_request() -> None:
+    """vLLM's second update_state_after_alloc after an asynchronous load (the connector's route)."""
+    from kvfsm.errors import InvalidTransition, KvfsmError
+
+    sched, _, _, _ = _remote_rig(1)
+    req = FakeRequest("a", tokens("a", 2 * TPB), TPB)
+    sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(InvalidTransition):
+        sched.extend_running_blocks(req, [0, 1])  # still tracked: nothing changes
+    assert sched.request_state("a") is RequestState.TRACKED
+    sched.update_state_after_alloc(req, [0, 1], 0)
+    with pytest.raises(KvfsmError, match="do not extend"):
+        sched.extend_running_blocks(req, [5, 1, 2])
+    sched.extend_running_blocks(req, [0, 1, 2])
+    assert sched.request_block_ids("a") == (0, 1, 2)
+    assert sched.request_state("a") is RequestState.RUNNING

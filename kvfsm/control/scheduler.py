@@ -182,6 +182,7 @@ class RequestRecord:
         "block_ids",
         "ctx",
         "jobs",
+        "keys",
         "load_job",
         "next_stored_chunk",
         "num_local_tokens",
@@ -198,6 +199,9 @@ class RequestRecord:
         self.load_job: int | None = None
         self.next_stored_chunk = 0
         self.num_local_tokens = 0
+        #: The offload keys of the request's first full chunks, made once each (a request's block hashes
+        #: only ever grow: a chunk's key never changes).
+        self.keys: list[OffloadKey] = []
 
     def has_jobs(self) -> bool:
         return bool(self.jobs)
@@ -340,15 +344,22 @@ class OffloadingScheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _keys(self, request: OffloadRequest) -> list[OffloadKey]:
+    def _keys(self, st: RequestRecord, request: OffloadRequest) -> list[OffloadKey]:
         """One key per full chunk: the hash of the chunk's last block."""
         hashes = request.block_hashes
-        return self._chunk_keys(hashes, 0, len(hashes) // self.config.blocks_per_chunk)
+        return self._keys_upto(st, hashes, len(hashes) // self.config.blocks_per_chunk)
 
-    def _chunk_keys(self, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
+    def _keys_upto(self, st: RequestRecord, hashes: Sequence[bytes], stop: int) -> list[OffloadKey]:
+        """The request's keys of chunks ``0..stop-1`` (cached on the record: each key is made once)."""
+        keys = st.keys
+        if len(keys) < stop:
+            bpc = self.config.blocks_per_chunk
+            keys.extend(make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(keys), stop))
+        return keys
+
+    def _chunk_keys(self, st: RequestRecord, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
         """The keys of chunks ``start..stop-1`` only: O(chunks asked for), not O(prompt)."""
-        bpc = self.config.blocks_per_chunk
-        return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(start, stop)]
+        return self._keys_upto(st, hashes, stop)[start:stop]
 
     def _fire(self, st: RequestRecord, event: RequestEvent) -> None:
         match self._req_machine.fire(st, event):
@@ -426,7 +437,7 @@ class OffloadingScheduler:
             self._defer(st)
             return None, False
         tpc = self.config.tokens_per_chunk
-        keys = self._keys(request)
+        keys = self._keys(st, request)
         first = num_computed_tokens // tpc
         # The last prompt token is always recomputed (its logits are needed).
         last_allowed = (request.num_tokens - 1) // tpc
@@ -481,13 +492,6 @@ class OffloadingScheduler:
             raise UnknownRequestError(
                 f"request {request.req_id!r} is not tracked; call get_num_new_matched_tokens first"
             )
-        if num_external_tokens == 0 and st.state is RequestState.RUNNING:
-            # vLLM calls again once the request's asynchronous load has finished and it is rescheduled
-            # (spec/README.md, "The scheduler/worker boundary"): no event of the request machine, only its
-            # block list grows; the blocks past those it held are fresh.
-            self._batch.allocated.update(block_ids[len(st.block_ids) :])
-            st.block_ids = list(block_ids)
-            return
         # Blocks past the local prefix are fresh: writing them must not race a fenced store.
         fresh = block_ids[st.num_local_tokens // self.config.tokens_per_block :]
         if num_external_tokens == 0:
@@ -504,7 +508,7 @@ class OffloadingScheduler:
                 f"{st.num_local_tokens} local ones need whole chunks within {len(block_ids)} blocks"
             )
         hashes = request.block_hashes
-        keys = tuple(self._chunk_keys(hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
+        keys = tuple(self._chunk_keys(st, hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
         if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
             raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
@@ -518,6 +522,31 @@ class OffloadingScheduler:
         self._chunks_being_loaded.update(keys)
         self._batch.loads[job.job_id] = job
         self.stats.load_jobs += 1
+
+    def extend_running_blocks(self, request: OffloadRequest, block_ids: Sequence[int]) -> None:
+        """vLLM's second ``update_state_after_alloc`` (no external tokens) for a running request: once an
+        asynchronous load has finished, vLLM calls it again when it reschedules the request (spec/README.md,
+        "The scheduler/worker boundary"). Not an event of the request machine: only the request's block list
+        grows, and the blocks past those it held are fresh (they count as allocated for the fences).
+        A request that is not running raises :class:`InvalidTransition`, and nothing changes."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request.req_id!r} is not tracked; expected a running request")
+        if st.state is not RequestState.RUNNING:
+            raise InvalidTransition(
+                "request",
+                st.state.value,
+                "extend_blocks",
+                f"request {request.req_id!r} is not running; only a running request's blocks can be extended",
+            )
+        held = st.block_ids
+        if list(block_ids[: len(held)]) != held:
+            raise KvfsmError(
+                f"request {request.req_id!r}: blocks {list(block_ids)} do not extend the held {held}; "
+                "expected the held block list followed by new blocks"
+            )
+        self._batch.allocated.update(block_ids[len(held) :])
+        st.block_ids = list(block_ids)
 
     # ------------------------------------------------------------------ per step
 
@@ -634,12 +663,14 @@ class OffloadingScheduler:
             horizon = request.num_computed_tokens + num_scheduled
         if self.config.offload_prompt_only:
             horizon = min(horizon, request.num_prompt_tokens)
+        start = st.next_stored_chunk
+        if horizon // tpc <= start:
+            return  # no chunk completed since the last store (most decode steps): O(1)
         hashes = request.block_hashes
         storable = min(horizon // tpc, len(st.block_ids) // bpc, len(hashes) // bpc)
-        start = st.next_stored_chunk
         if storable <= start:
             return
-        candidates = self._chunk_keys(hashes, start, storable)
+        candidates = self._chunk_keys(st, hashes, start, storable)
         prepared = self.manager.prepare_store(candidates, st.ctx)
         if prepared is None:
             self.stats.allocation_failures += 1  # retried next step, including the finishing one

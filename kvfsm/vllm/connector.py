@@ -21,6 +21,8 @@ up (in vLLM's ``kv_connector_worker_meta``, aggregated over the workers by vLLM)
 ``blocks_per_chunk`` GPU blocks per chunk (the unit of lookups, stores, loads); int >= 1, default 1
 ``policy``         ``"lru"`` (default) or ``"arc"``
 ``copy_threads``   copy threads per worker (CPU KV caches); int >= 1, default 2
+``offload_prompt_only`` offload only prompt tokens, as vLLM's connector does (default false: generated
+                   tokens too, once they fill a chunk)
 ``store_deadline_s`` / ``load_deadline_s``  seconds a store / load job may take (default 30; ``null``: none)
 ``lookup_wait_s``  seconds a request waits on a chunk not readable yet (default 5; ``null``: none)
 ``shutdown_s``     bound on ``shutdown()`` in seconds (default 20)
@@ -52,6 +54,9 @@ from kvfsm.control.messages import RankReport, RemoteWorker, StepMessage, StepRe
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
 from kvfsm.control.worker import OffloadingWorker
 from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.machines.names import RequestState
+
+RUNNING = RequestState.RUNNING
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +86,7 @@ class KvfsmSettings:
     blocks_per_chunk: int = 1
     policy: str = "lru"
     copy_threads: int = 2
+    offload_prompt_only: bool = False
     deadlines: Deadlines = field(default_factory=Deadlines)
 
 
@@ -90,7 +96,7 @@ _DEADLINE_KEYS = {
     "lookup_wait_s": "lookup_wait_s",
     "shutdown_s": "shutdown_s",
 }
-_KEYS = {"num_slots", "blocks_per_chunk", "policy", "copy_threads", *_DEADLINE_KEYS}
+_KEYS = {"num_slots", "blocks_per_chunk", "policy", "copy_threads", "offload_prompt_only", *_DEADLINE_KEYS}
 
 
 def _positive_int(key: str, value: object) -> int:
@@ -112,6 +118,9 @@ def parse_settings(extra: Mapping[str, Any]) -> KvfsmSettings:
     policy = extra.get("policy", "lru")
     if policy not in ("lru", "arc"):
         raise ConfigError(f"kv_connector_extra_config['policy'] = {policy!r}; expected 'lru' or 'arc'")
+    prompt_only = extra.get("offload_prompt_only", False)
+    if not isinstance(prompt_only, bool):
+        raise ConfigError(f"kv_connector_extra_config['offload_prompt_only'] = {prompt_only!r}; expected true or false")
     limits: dict[str, float | None] = {}
     for key, name in _DEADLINE_KEYS.items():
         if key in extra:
@@ -133,6 +142,7 @@ def parse_settings(extra: Mapping[str, Any]) -> KvfsmSettings:
         blocks_per_chunk=_positive_int("blocks_per_chunk", extra.get("blocks_per_chunk", 1)),
         policy=str(policy),
         copy_threads=_positive_int("copy_threads", extra.get("copy_threads", 2)),
+        offload_prompt_only=prompt_only,
         deadlines=deadlines,
     )
 
@@ -231,6 +241,7 @@ class KvfsmConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM ships no
             tokens_per_block=int(vllm_config.cache_config.block_size),
             blocks_per_chunk=self.settings.blocks_per_chunk,
             world_size=self.world_size,
+            offload_prompt_only=self.settings.offload_prompt_only,
         )
         self.num_gpu_blocks = int(kv_cache_config.num_blocks)
         self.scheduler: OffloadingScheduler | None = None
@@ -261,8 +272,14 @@ class KvfsmConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM ships no
 
     @override
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
-        self._sched().update_state_after_alloc(_RequestView(request), list(block_ids), num_external_tokens)
+        block_ids = [b.block_id for b in blocks.blocks[0]] if blocks.blocks else []
+        sched = self._sched()
+        view = _RequestView(request)
+        if num_external_tokens == 0 and sched.is_tracked(view.req_id) and sched.request_state(view.req_id) is RUNNING:
+            # vLLM's second call, once the request's asynchronous load finished and it is rescheduled.
+            sched.extend_running_blocks(view, block_ids)
+            return
+        sched.update_state_after_alloc(view, block_ids, num_external_tokens)
 
     @override
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
