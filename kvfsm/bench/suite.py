@@ -14,6 +14,8 @@ Sections (``--only`` picks some):
    ``has_pending_push_work()`` with 10 and 100k jobs in flight.
 4. ``transfers`` - the data plane's table (:mod:`kvfsm.bench.transfers`, when it is installed).
 5. ``verification`` - model-checker states/s and Hypothesis stateful steps/s (:mod:`kvfsm.bench.verify`).
+6. ``vllm`` - optional, where vLLM is installed: the scheduler-side step cost of ``KvfsmConnector`` against
+   vLLM's native ``OffloadingConnector`` inside vLLM's own Scheduler (:mod:`kvfsm.bench.vllm_scheduler`).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -58,7 +60,7 @@ __all__ = [
     "run_bench",
 ]
 
-SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification")
+SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification", "vllm")
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -565,12 +567,39 @@ def _section_verification(opts: _Options, report: BenchReport) -> str:
     return "(5) verification throughput\n" + table
 
 
+def _section_vllm(opts: _Options, report: BenchReport) -> str:
+    """Optional: runs only where vLLM is installed (kvfsm[vllm]); see kvfsm/bench/vllm_scheduler.py."""
+    from kvfsm.bench import vllm_scheduler
+
+    head = "(6) scheduler step inside vLLM 0.33's Scheduler: KvfsmConnector against vLLM's OffloadingConnector\n"
+    missing = vllm_scheduler.available()
+    if missing is not None:
+        report.results["vllm"] = {"available": False, "detail": missing}
+        return head + f"  not available (vLLM is not installed: {missing})"
+    ns = (16,) if opts.quick else (16, 64, 256)
+    with Progress(1, "vllm scheduler", enabled=opts.show_progress) as bar:
+        rows = vllm_scheduler.run_side_by_side(ns, repeats=1 if opts.quick else opts.repeats)
+        bar.advance(f"{len(rows)} rows")
+    report.results["vllm"] = {"available": True, "rows": rows}
+    for r in rows:
+        report.goals.append(
+            Goal("vllm", f"{r['step']} step N={r['n']} vs vLLM", "<= 0.5x", f"{r['ratio']:.2f}x", r["ratio"] <= 0.5)
+        )
+    table = format_table(
+        ("N", "step", "vLLM µs", "kvfsm µs", "kvfsm / vLLM"),
+        [(r["n"], r["step"], f"{r['vllm_us']:.0f}", f"{r['kvfsm_us']:.0f}", f"{r['ratio']:.2f}") for r in rows],
+        align="rlrrr",
+    )
+    return head + table
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "drain": _section_drain,
     "control": _section_control,
     "lifecycle": _section_lifecycle,
     "transfers": _section_transfers,
     "verification": _section_verification,
+    "vllm": _section_vllm,
 }
 
 

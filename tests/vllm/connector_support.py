@@ -145,7 +145,9 @@ class Rig:
     world_size: int = 1
     max_num_batched_tokens: int = 64
     extra: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"
+    #: Where the KV caches live (``KVFSM_VLLM_DEVICE`` sets the default: scripts/gpu_check.sh runs the suite
+    #: with ``cuda``).
+    device: str = field(default_factory=lambda: os.environ.get("KVFSM_VLLM_DEVICE", "cpu"))
     #: Hold every copy at a CopyGate until the test releases it (else copies run freely).
     gated: bool = True
 
