@@ -22,12 +22,13 @@ spec's vocabulary; it never decides a transition vLLM did not take:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvfsm.observe.trace import TraceRecorder
 
-__all__ = ["NativeRecorder"]
+__all__ = ["TRACE_ENV", "NativeRecorder"]
 
 
 class _Ctx:
@@ -95,7 +96,7 @@ class _Engine:
 class NativeRecorder:
     """Records one vLLM ``OffloadingConnectorScheduler`` (and its manager) into a :class:`TraceRecorder`."""
 
-    def __init__(self, native: Any, trace: TraceRecorder, world_size: int) -> None:
+    def __init__(self, native: Any, trace: TraceRecorder, world_size: int, *, record_slots: bool = True) -> None:
         self.native = native
         self.trace = trace
         self.world_size = world_size
@@ -103,8 +104,10 @@ class NativeRecorder:
         self.jobs: dict[int, _Job] = {}
         self.slots: dict[bytes, _Slot] = {}
         self.engine = _Engine(native.has_pending_push_work)
+        self.record_slots = record_slots
         self._wrap_scheduler(native)
-        self._wrap_manager(native.manager)
+        if record_slots:  # off where the manager is a test double (vLLM's connector suite mocks it)
+            self._wrap_manager(native.manager)
 
     # ------------------------------------------------------------------ emitting
 
@@ -143,7 +146,9 @@ class NativeRecorder:
             job_kind = "store" if status.is_store else "load"
             if job_kind != kind:
                 continue
-            self.jobs[job_id] = _Job(job_id, kind, status.req_id, status.keys, self.world_size)
+            # Without slot records a job's keys name nothing the trace can check, so none are written.
+            keys = status.keys if self.record_slots else ()
+            self.jobs[job_id] = _Job(job_id, kind, status.req_id, keys, self.world_size)
 
     def _launch_all(self, job_ids: Iterable[int]) -> None:
         for job_id in job_ids:
@@ -368,3 +373,50 @@ class NativeRecorder:
             self._fire("engine", engine, "shutdown", "shutting_down")
         if engine.state == "shutting_down" and not engine.has_pending_push_work():
             self._fire("engine", engine, "stop", "stopped")
+
+
+# ---------------------------------------------------------------------------------------------- pytest plugin
+#
+# ``KVFSM_NATIVE_TRACE=FILE pytest -p kvfsm.vllm.recorder <vLLM's tests>`` records every
+# OffloadingConnectorScheduler the tests build, one trace scope per test (nothing in vLLM's tests changes).
+# The connector suite mocks the offloading manager, so slots are not recorded there.
+
+#: The environment variable naming the trace file the plugin writes.
+TRACE_ENV = "KVFSM_NATIVE_TRACE"
+_PLUGIN: dict[str, Any] = {}
+
+
+def pytest_configure(config: Any) -> None:
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    trace = TraceRecorder(path).start()
+    orig = OffloadingConnectorScheduler.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        test = _PLUGIN.get("test", "")
+        n = _PLUGIN["schedulers"] = _PLUGIN.get("schedulers", 0) + 1
+        if n > 1:  # a second scheduler in one test is an independent system: its job ids start at 0 again
+            trace.scope(f"{test}#{n}")
+        NativeRecorder(self, trace, int(self.config.num_workers), record_slots=False)
+
+    OffloadingConnectorScheduler.__init__ = init
+    _PLUGIN.update(trace=trace, orig=orig, cls=OffloadingConnectorScheduler)
+
+
+def pytest_runtest_setup(item: Any) -> None:
+    trace = _PLUGIN.get("trace")
+    if trace is not None:
+        _PLUGIN["test"] = str(item.nodeid)
+        _PLUGIN["schedulers"] = 0
+        trace.scope(str(item.nodeid))
+
+
+def pytest_unconfigure(config: Any) -> None:
+    trace = _PLUGIN.pop("trace", None)
+    if trace is not None:
+        trace.stop()
+        _PLUGIN["cls"].__init__ = _PLUGIN.pop("orig")
