@@ -257,6 +257,8 @@ class OffloadingScheduler:
         self._abandoned = False  # a bounded shutdown gave up: quarantined copies are no longer pending work
         self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
         self._waiting_since: dict[str, float] = {}  # request -> when its lookup started waiting on a chunk
+        # Requests preempted by preempt_unannounced whose engine notice (preempted_req_ids) is still to come.
+        self._preempted_early: set[str] = set()
 
     # ------------------------------------------------------------------ queries
 
@@ -548,6 +550,26 @@ class OffloadingScheduler:
         self._batch.allocated.update(block_ids[len(held) :])
         st.block_ids = list(block_ids)
 
+    def preempt_unannounced(self, request: OffloadRequest) -> None:
+        """The engine preempted a running request and looks it up again before the step's
+        ``preempted_req_ids`` says so (vLLM: ``reset_prefix_cache(reset_running_requests=True)``; spec/README.md,
+        "The scheduler/worker boundary"). Fires ``preempt`` now, exactly as the notice would (its jobs are
+        flushed by this step), and ignores the notice when it comes. A request that is not running raises
+        :class:`InvalidTransition`, and nothing changes."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request.req_id!r} is not tracked; expected a running request")
+        if not self._req_machine.can_fire(st, RequestEvent.PREEMPT):
+            raise InvalidTransition(
+                "request", st.state.value, RequestEvent.PREEMPT.value, f"request {request.req_id!r} is not running"
+            )
+        if st.jobs:
+            self.stats.preemption_flushes += 1
+            self._batch.flush.update(st.jobs)
+        st.block_ids = []
+        self._fire(st, RequestEvent.PREEMPT)
+        self._preempted_early.add(request.req_id)
+
     # ------------------------------------------------------------------ per step
 
     def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMetadata:
@@ -569,6 +591,9 @@ class OffloadingScheduler:
         self.manager.on_schedule_end()
 
         for req_id in output.preempted_req_ids:
+            if req_id in self._preempted_early:
+                self._preempted_early.discard(req_id)
+                continue  # already preempted when the engine looked it up again (preempt_unannounced)
             st = self._requests.get(req_id)
             if st is None:
                 continue
@@ -640,6 +665,8 @@ class OffloadingScheduler:
                 raise UnknownRequestError(f"scheduled request {sched.req_id!r} is not tracked by the connector")
         for req_id in output.preempted_req_ids:
             st = self._requests.get(req_id)
+            if req_id in self._preempted_early:
+                continue
             if st is not None and not self._req_machine.can_fire(st, RequestEvent.PREEMPT):
                 raise InvalidTransition(
                     "request",
@@ -914,6 +941,7 @@ class OffloadingScheduler:
         self._chunks_being_loaded.clear()
         self._finished_unsignalled.clear()
         self._events.clear()
+        self._preempted_early.clear()
 
     # --- queries for verifiers ---
 

@@ -268,7 +268,12 @@ class KvfsmConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM ships no
 
     @override
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(_RequestView(request), num_computed_tokens)
+        sched, view = self._sched(), _RequestView(request)
+        if sched.is_tracked(view.req_id) and sched.request_state(view.req_id) is RUNNING:
+            # vLLM preempted it (reset_prefix_cache(reset_running_requests=True)) and looks it up again before
+            # this step's preempted_req_ids tells the connector.
+            sched.preempt_unannounced(view)
+        return sched.get_num_new_matched_tokens(view, num_computed_tokens)
 
     @override
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

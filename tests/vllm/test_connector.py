@@ -349,3 +349,22 @@ def test_a_bad_extra_config_key_is_a_typed_error_naming_it() -> None:
         parse_settings({"num_slots": 4, "policy": "fifo"})
     with pytest.raises(ConfigError, match="load_deadline_s"):
         parse_settings({"num_slots": 4, "load_deadline_s": -1})
+
+
+def test_reset_prefix_cache_of_running_requests_preempts_before_the_notice(rig: Rig) -> None:
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts a running request and looks it up
+    again before the step's preempted_req_ids says so: the connector preempts it then (its stores are
+    flushed), and the request resumes with the right bytes."""
+    rig.add(list(range(1, 70)), max_tokens=30, req_id="r")
+    for _ in range(3):
+        rig.step()
+    sched = rig.connector.scheduler
+    assert sched is not None and sched.request_state("r").value == "running"
+    assert rig.held(), "r's prompt stores are meant to be in flight"
+    assert rig.scheduler.reset_prefix_cache(reset_running_requests=True)
+    rec = rig.step()  # the lookup comes first, then the notice
+    assert "r" in (rec.output.preempted_req_ids or set())
+    assert sched.stats.preemption_flushes >= 1
+    _drain(rig)
+    assert "r" not in rig.scheduler.requests and not sched.is_tracked("r")
+    assert not rig.mismatches, rig.mismatches[:3]
