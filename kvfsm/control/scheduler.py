@@ -287,6 +287,11 @@ class OffloadingScheduler:
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._requests
 
+    def state_or_none(self, req_id: str) -> RequestState | None:
+        """The state of a tracked request, None for an untracked one (one lookup, never raises)."""
+        st = self._requests.get(req_id)
+        return None if st is None else st.state
+
     @property
     def num_jobs(self) -> int:
         return len(self._jobs)

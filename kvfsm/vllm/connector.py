@@ -57,6 +57,7 @@ from kvfsm.errors import ConfigError, KvfsmError
 from kvfsm.machines.names import RequestState
 
 RUNNING = RequestState.RUNNING
+_GROUP_0 = (0,)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -269,7 +270,7 @@ class KvfsmConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM ships no
     @override
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         sched, view = self._sched(), _RequestView(request)
-        if sched.is_tracked(view.req_id) and sched.request_state(view.req_id) is RUNNING:
+        if sched.state_or_none(view.req_id) is RUNNING:
             # vLLM preempted it (reset_prefix_cache(reset_running_requests=True)) and looks it up again before
             # this step's preempted_req_ids tells the connector.
             sched.preempt_unannounced(view)
@@ -280,11 +281,16 @@ class KvfsmConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM ships no
         block_ids = [b.block_id for b in blocks.blocks[0]] if blocks.blocks else []
         sched = self._sched()
         view = _RequestView(request)
-        if num_external_tokens == 0 and sched.is_tracked(view.req_id) and sched.request_state(view.req_id) is RUNNING:
+        if num_external_tokens == 0 and sched.state_or_none(view.req_id) is RUNNING:
             # vLLM's second call, once the request's asynchronous load finished and it is rescheduled.
             sched.extend_running_blocks(view, block_ids)
             return
         sched.update_state_after_alloc(view, block_ids, num_external_tokens)
+
+    @override
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """kvfsm offloads the one attention group (vLLM's hybrid allocator is off with this connector)."""
+        return _GROUP_0
 
     @override
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
