@@ -1,3 +1,24 @@
-"""kvfsm inside vLLM 0.33 (the optional ``kvfsm[vllm]`` extra): ``kv_connector_module_path="kvfsm.vllm"``."""
+"""kvfsm inside vLLM 0.33 (the optional ``kvfsm[vllm]`` extra): ``kv_connector_module_path="kvfsm.vllm"``.
 
-from kvfsm.vllm.connector import KvfsmConnector as KvfsmConnector
+Names load on first use, so ``import kvfsm.vllm`` itself needs no vLLM. The README's "Use with vLLM"
+section has the ``kv_transfer_config``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Exported name -> the kvfsm.vllm module that defines it.
+_EXPORTS: dict[str, str] = {
+    "KvfsmConnector": "kvfsm.vllm.connector",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvfsm.vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

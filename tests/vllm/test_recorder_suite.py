@@ -34,8 +34,8 @@ FINDINGS = {
     "transition:running --start_load--> loading": (
         "FINDING: reset_prefix_cache(reset_running_requests=True) preempts a running request, and vLLM looks it "
         "up and plans its load in the same step, before build_connector_meta tells the connector of the "
-        "preemption; kvfsm's request machine has no running -> loading row (preempt must come first), and "
-        "kvfsm's own connector refuses that lookup"
+        "preemption; kvfsm's request machine has no running -> loading row (preempt must come first). KvfsmConnector "
+        "takes such a lookup as the preemption (OffloadingScheduler.preempt_unannounced)"
     ),
 }
 
