@@ -368,3 +368,18 @@ def test_reset_prefix_cache_of_running_requests_preempts_before_the_notice(rig: 
     _drain(rig)
     assert "r" not in rig.scheduler.requests and not sched.is_tracked("r")
     assert not rig.mismatches, rig.mismatches[:3]
+
+
+def test_bounded_shutdown_with_a_copy_that_never_finishes(model_dir: Path) -> None:
+    """Shutdown with a store whose copy never reported: the scheduler gives the job up (timed out, its
+    quarantined memory released at shutdown, nothing pending any more) without waiting for any worker."""
+    rig = Rig(model_dir, extra={"shutdown_s": 0.2})
+    rig.add(PROMPT_A, max_tokens=2, req_id="a")
+    _finish_request(rig, "a")
+    assert rig.held() and rig.connector.has_pending_push_work()
+    sched = rig.connector.scheduler
+    assert sched is not None
+    rig.connector.shutdown()
+    assert not rig.connector.has_pending_push_work()
+    assert sched.stats.timed_out_stores >= 1 and sched.stats.quarantine_abandoned >= 1
+    assert rig.held()  # the scheduler did not wait: the copy is still held on its copy thread
