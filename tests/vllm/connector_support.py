@@ -9,14 +9,13 @@ on the token's prefix; so the ground truth is in the data plane: before each for
 computed positions must hold exactly the values of its prefix, whether they came from vLLM's prefix cache,
 a kvfsm load, or an earlier forward.
 
-The model is a directory holding only an OPT ``config.json`` (written at test time): vLLM's scheduler never
-needs weights or a tokenizer.
+The model is a directory holding only an OPT ``config.json`` (written at test time,
+:func:`kvfsm.vllm.drive.opt_config_dir`): vLLM's scheduler never needs weights or a tokenizer.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -50,6 +49,7 @@ from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.gate import CopyGate
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.vllm.connector import KvfsmConnector
+from kvfsm.vllm.drive import opt_config_dir
 
 __all__ = ["BLOCK_SIZE", "Rig", "StepRecord", "opt_config_dir"]
 
@@ -57,31 +57,6 @@ BLOCK_SIZE = 16
 NUM_LAYERS = 2
 HEADS = 2
 HEAD_DIM = 4
-
-_OPT_125M = {
-    "architectures": ["OPTForCausalLM"],
-    "model_type": "opt",
-    "hidden_size": 768,
-    "num_attention_heads": 12,
-    "num_hidden_layers": 12,
-    "ffn_dim": 3072,
-    "max_position_embeddings": 2048,
-    "vocab_size": 50272,
-    "torch_dtype": "float16",
-    "word_embed_proj_dim": 768,
-    "do_layer_norm_before": True,
-    "pad_token_id": 1,
-    "bos_token_id": 2,
-    "eos_token_id": 2,
-}
-
-
-def opt_config_dir(root: Path) -> Path:
-    """A model directory with only facebook/opt-125m's config.json (no weights, no tokenizer)."""
-    model = root / "opt-125m-config-only"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(_OPT_125M))
-    return model
 
 
 def token_value(prefix: Sequence[int], rank: int) -> float:
