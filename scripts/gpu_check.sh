@@ -2,7 +2,7 @@
 # The CUDA data plane's device check, in one run: environment, CUDA tests, calibration, transfer benchmark.
 #
 # Run from the repository root on a machine with an NVIDIA GPU. Results go under $OUT (default ./gpu_check_out),
-# at most 8 files:
+# at most 9 files:
 #   summary.txt        one line per step with its exit status, then the benchmark table
 #   env.txt            python, torch, CUDA, GPU, pinned-memory and zero-copy probes
 #   cuda_tests.txt     the CUDA conformance and ordering tests (dma path, auto path, emulated)
@@ -10,6 +10,7 @@
 #   kernel_tests.txt   the tests of the opt-in zero-copy kernel path (own process: a fault there can't hide the rest)
 #   bench_kernel.txt   the quick CUDA benchmark with the kernel path enabled (calibration picks per job)
 #   all_tests.txt      the whole suite on this machine (the reference engine then runs on CUDA)
+#   vllm_tests.txt     KvfsmConnector in vLLM's real Scheduler over CUDA KV caches (when vLLM is installed)
 #   (the calibration table, dma and kernel paths, is printed into summary.txt)
 #
 # Dependencies. kvfsm needs torch (CUDA build), numpy and transitions; the tests need pytest and hypothesis.
@@ -110,6 +111,17 @@ print(f"calibration: {table.seconds:.1f} s, paths {table.paths()}")
 for row in table.summary():
     print(f"  {row['path']:<14} {row['unit_bytes']:>8} B x {row['count']:<5} {row['gbps']:7.2f} GB/s")
 PYEOF
+
+# ------------------------------------------------------------------------------------------ vLLM integration
+# KvfsmConnector inside vLLM's real Scheduler with CUDA KV caches: tests/vllm/test_connector_cuda.py (the CUDA copy
+# backend, bytes checked in GPU memory) and the CPU suite with its caches on the GPU (KVFSM_VLLM_DEVICE=cuda).
+# Needs vLLM 0.33 in this Python (kvfsm[vllm]); without it the step records a skip instead of failing.
+if "$PY" -c "import vllm.v1.core.sched.scheduler" >/dev/null 2>&1; then
+    step vllm-cuda 150 "$OUT/vllm_tests.txt" env KVFSM_VLLM_DEVICE=cuda HF_HUB_OFFLINE=1 "$PY" -m pytest -q -rs \
+        -p no:cacheprovider tests/vllm/test_connector_cuda.py tests/vllm/test_connector.py
+else
+    echo "$(printf '%-22s' vllm-cuda) skipped: vLLM is not installed in $PY (pip install 'kvfsm[vllm]')" | tee -a "$SUMMARY"
+fi
 
 # ------------------------------------------------------------------------------------------ the whole suite
 step all-tests 120 "$OUT/all_tests.txt" "$PY" -m pytest -q -p no:cacheprovider --maxfail=20 \

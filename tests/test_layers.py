@@ -34,8 +34,6 @@ ALLOWED: dict[str, set[str]] = {
     "kvfsm.check": BASE | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.observe"},
     "kvfsm.testing": BASE
     | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data", "kvfsm.engine", "kvfsm.check", "kvfsm.observe"},
-    # The optional vLLM integration: kvfsm's managers, tiers and copy backends behind vLLM's interfaces.
-    "kvfsm.vllm": BASE | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data"},
     "kvfsm.bench": BASE
     | {
         "kvfsm.machines",
@@ -48,6 +46,9 @@ ALLOWED: dict[str, set[str]] = {
         "kvfsm.testing",
         "kvfsm.vllm",
     },
+    # The optional vLLM integration: kvfsm's managers, tiers, copy backends and trace behind vLLM's interfaces.
+    "kvfsm.vllm": BASE
+    | {"kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.data", "kvfsm.check", "kvfsm.observe"},
 }
 #: Entry points may import anything: the package itself, the command line (``kvfsm check`` has its own module
 #: beside the checker) and the demo.

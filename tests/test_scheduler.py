@@ -31,6 +31,7 @@ from kvfsm.control.types import (
     ReqContext,
     SlotSpec,
 )
+from kvfsm.control.worker import HeldCopyBackend
 from kvfsm.errors import (
     AckCountError,
     ConfigError,
@@ -773,3 +774,133 @@ def test_merging_two_reports_from_one_rank_raises_and_changes_nothing() -> None:
     merged.merge(WorkerOutput(completed={1: {1}, 3: {0}}, finished_recving={"r"}))
     assert merged == WorkerOutput(completed={1: {0, 1}, 3: {0}}, failed={2: {1}}, finished_recving={"r"})
     assert merged.job_ids() == [2, 1, 3]  # failures first: the order the scheduler applies them in
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Across a process boundary (spec/README.md, "The scheduler/worker boundary"): plain step messages down,
+# rank reports up, each side with its own job machine; the workers are the real OffloadingWorker.
+
+
+def _remote_rig(
+    world_size: int, **deadlines: float
+) -> tuple[OffloadingScheduler, list[Any], list[HeldCopyBackend], list[float]]:
+    from kvfsm.control.deadlines import Deadlines
+    from kvfsm.control.messages import RemoteWorker
+    from kvfsm.control.worker import OffloadingWorker
+
+    clock = [0.0]
+    sched = OffloadingScheduler(
+        OffloadConfig(TPB, 1, world_size),
+        CPUOffloadingManager(16),
+        deadlines=Deadlines(**deadlines) if deadlines else Deadlines.none(),
+        clock=lambda: clock[0],
+    )
+    backends = [HeldCopyBackend() for _ in range(world_size)]
+    workers = [RemoteWorker(OffloadingWorker(r, world_size, b)) for r, b in enumerate(backends)]
+    return sched, workers, backends, clock
+
+
+def _remote_step(sched: OffloadingScheduler, workers: list[Any], output: SchedulerOutput) -> Any:
+    import json
+
+    from kvfsm.control.messages import StepMessage
+
+    message = sched.build_step_message(output)
+    wire = json.dumps(message.to_wire())  # what a process boundary does to it
+    reports = []
+    for worker in workers:
+        worker.bind(StepMessage.from_wire(json.loads(wire)))
+        worker.before_forward()
+        worker.after_forward()
+        reports.append(worker.poll())
+    sched.apply_reports([r.report for r in reports])
+    return message, reports
+
+
+def test_remote_store_commits_only_when_every_rank_reported() -> None:
+    sched, workers, backends, _ = _remote_rig(2)
+    req = FakeRequest("a", tokens("a", 4 * TPB), TPB)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [0, 1, 2, 3], 0)
+    req.num_computed_tokens = 0
+    message, _ = _remote_step(sched, workers, SchedulerOutput((ScheduledRequest("a", (0, 1, 2, 3), 4 * TPB, True),)))
+    (store,) = message.store_jobs
+    assert [b.held_ids for b in backends] == [(store.job_id,), (store.job_id,)]
+    job = sched.job(store.job_id)
+    assert job is not None and job.state is JobState.IN_FLIGHT and job.pending == 2
+    backends[0].complete(store.job_id)
+    _remote_step(sched, workers, SchedulerOutput())
+    assert sched.has_pending_push_work() and job.pending == 1
+    backends[1].complete(store.job_id)
+    _, reports = _remote_step(sched, workers, SchedulerOutput())
+    assert [r.report.completed for r in reports] == [(), (store.job_id,)]
+    assert not sched.has_pending_push_work() and sched.stats.committed_stores == 1
+    assert all(w.num_unreported == 0 for w in workers)
+
+
+def test_remote_timed_out_job_stays_quarantined_until_every_rank_reported() -> None:
+    sched, workers, backends, clock = _remote_rig(2, store_s=1.0)
+    req = FakeRequest("a", tokens("a", 2 * TPB), TPB)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [0, 1], 0)
+    message, _ = _remote_step(sched, workers, SchedulerOutput((ScheduledRequest("a", (0, 1), 2 * TPB, True),)))
+    (store,) = message.store_jobs
+    clock[0] = 5.0
+    _remote_step(sched, workers, SchedulerOutput())  # the deadline passes: the job times out
+    assert sched.stats.timed_out_stores == 1 and sched.is_quarantined(store.job_id)
+    backends[0].complete(store.job_id, ok=False)
+    _remote_step(sched, workers, SchedulerOutput())
+    assert sched.is_quarantined(store.job_id) and sched.has_pending_push_work()  # rank 1 may still copy
+    backends[1].complete(store.job_id)
+    _remote_step(sched, workers, SchedulerOutput())
+    assert not sched.is_quarantined(store.job_id) and not sched.has_pending_push_work()
+
+
+def test_remote_report_twice_from_one_rank_is_refused() -> None:
+    from kvfsm.control.messages import RankReport
+
+    sched, workers, _, _ = _remote_rig(2)
+    req = FakeRequest("a", tokens("a", TPB), TPB)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [0], 0)
+    message, _ = _remote_step(sched, workers, SchedulerOutput((ScheduledRequest("a", (0,), TPB, True),)))
+    (store,) = message.store_jobs
+    with pytest.raises(AckCountError):
+        sched.apply_reports([RankReport(0, (store.job_id,)), RankReport(0, (store.job_id,))])
+    job = sched.job(store.job_id)
+    assert job is not None and job.pending == 2  # nothing changed
+    with pytest.raises(UnknownJobError):
+        sched.apply_reports([RankReport(0, (99,))])
+
+
+def test_step_message_wire_format_is_checked() -> None:
+    from kvfsm.control.messages import JobSpec, StepMessage
+
+    msg = StepMessage((JobSpec(3, JobKind.LOAD, "r", (4, 5), 1, (7,), 2),), (), frozenset({1}))
+    assert StepMessage.from_wire(msg.to_wire()) == msg
+    with pytest.raises(ConfigError, match="gpu"):
+        StepMessage.from_wire({"loads": [{**msg.load_jobs[0].to_wire(), "gpu": ["4"]}], "stores": [], "flush": []})
+    with pytest.raises(ConfigError, match="flush"):
+        StepMessage.from_wire({"loads": [], "stores": []})
+    with pytest.raises(ConfigError, match="kind"):
+        StepMessage.from_wire(
+            {"loads": [{**msg.load_jobs[0].to_wire(), "kind": "teleport"}], "stores": [], "flush": []}
+        )
+
+
+def test_extend_running_blocks_is_only_for_a_running_request() -> None:
+    """vLLM's second update_state_after_alloc after an asynchronous load (the connector's route)."""
+    from kvfsm.errors import InvalidTransition, KvfsmError
+
+    sched, _, _, _ = _remote_rig(1)
+    req = FakeRequest("a", tokens("a", 2 * TPB), TPB)
+    sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(InvalidTransition):
+        sched.extend_running_blocks(req, [0, 1])  # still tracked: nothing changes
+    assert sched.request_state("a") is RequestState.TRACKED
+    sched.update_state_after_alloc(req, [0, 1], 0)
+    with pytest.raises(KvfsmError, match="do not extend"):
+        sched.extend_running_blocks(req, [5, 1, 2])
+    sched.extend_running_blocks(req, [0, 1, 2])
+    assert sched.request_block_ids("a") == (0, 1, 2)
+    assert sched.request_state("a") is RequestState.RUNNING

@@ -20,6 +20,8 @@ Sections (``--only`` picks some):
    two engine processes sharing a prefix workload. Skipped (reported) without redis-server or redis-py.
 7. ``vllm`` - side by side with vLLM 0.33's own CPU manager, LRU and ARC, per manager operation
    (:mod:`kvfsm.bench.vllm_side`; only where vLLM is installed, else reported as not available).
+8. ``vllm-scheduler`` - optional, where vLLM is installed: the scheduler-side step cost of ``KvfsmConnector`` against
+   vLLM's native ``OffloadingConnector`` inside vLLM's own Scheduler (:mod:`kvfsm.bench.vllm_scheduler`).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -64,7 +66,16 @@ __all__ = [
     "run_bench",
 ]
 
-SECTIONS: tuple[str, ...] = ("drain", "control", "lifecycle", "transfers", "verification", "redis", "vllm")
+SECTIONS: tuple[str, ...] = (
+    "drain",
+    "control",
+    "lifecycle",
+    "transfers",
+    "verification",
+    "redis",
+    "vllm",
+    "vllm-scheduler",
+)
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -646,6 +657,38 @@ def _section_vllm(opts: _Options, report: BenchReport) -> str:
     return head + format_table(headers, rows)
 
 
+def _section_vllm_scheduler(opts: _Options, report: BenchReport) -> str:
+    """Optional: runs only where vLLM is installed (kvfsm[vllm]); see kvfsm/bench/vllm_scheduler.py."""
+    from kvfsm.bench import vllm_scheduler
+
+    head = "(8) scheduler step inside vLLM 0.33's Scheduler: KvfsmConnector against vLLM's OffloadingConnector\n"
+    missing = vllm_scheduler.available()
+    if missing is not None:
+        report.results["vllm-scheduler"] = {"available": False, "detail": missing}
+        return head + f"  not available (vLLM is not installed: {missing})"
+    ns = (16,) if opts.quick else (16, 64, 256)
+    with Progress(1, "vllm scheduler", enabled=opts.show_progress) as bar:
+        rows = vllm_scheduler.run_side_by_side(ns, repeats=1 if opts.quick else opts.repeats)
+        bar.advance(f"{len(rows)} rows")
+    report.results["vllm-scheduler"] = {"available": True, "rows": rows}
+    for r in rows:
+        report.goals.append(
+            Goal(
+                "vllm-scheduler",
+                f"{r['step']} step N={r['n']} vs vLLM",
+                "<= 0.5x",
+                f"{r['ratio']:.2f}x",
+                r["ratio"] <= 0.5,
+            )
+        )
+    table = format_table(
+        ("N", "step", "vLLM µs", "kvfsm µs", "kvfsm / vLLM"),
+        [(r["n"], r["step"], f"{r['vllm_us']:.0f}", f"{r['kvfsm_us']:.0f}", f"{r['ratio']:.2f}") for r in rows],
+        align="rlrrr",
+    )
+    return head + table
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "drain": _section_drain,
     "control": _section_control,
@@ -653,6 +696,7 @@ _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "transfers": _section_transfers,
     "verification": _section_verification,
     "redis": _section_redis,
+    "vllm-scheduler": _section_vllm_scheduler,
     "vllm": _section_vllm,
 }
 

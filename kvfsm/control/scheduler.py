@@ -31,6 +31,7 @@ from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.manager import OffloadingManager
+from kvfsm.control.messages import RankReport, StepMessage, merge_reports
 from kvfsm.control.metadata import ConnectorMetadata, WorkerOutput
 from kvfsm.control.types import (
     GPUBlockSpec,
@@ -181,6 +182,7 @@ class RequestRecord:
         "block_ids",
         "ctx",
         "jobs",
+        "keys",
         "load_job",
         "next_stored_chunk",
         "num_local_tokens",
@@ -197,6 +199,9 @@ class RequestRecord:
         self.load_job: int | None = None
         self.next_stored_chunk = 0
         self.num_local_tokens = 0
+        #: The offload keys of the request's first full chunks, made once each (a request's block hashes
+        #: only ever grow: a chunk's key never changes).
+        self.keys: list[OffloadKey] = []
 
     def has_jobs(self) -> bool:
         return bool(self.jobs)
@@ -252,6 +257,8 @@ class OffloadingScheduler:
         self._abandoned = False  # a bounded shutdown gave up: quarantined copies are no longer pending work
         self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
         self._waiting_since: dict[str, float] = {}  # request -> when its lookup started waiting on a chunk
+        # Requests preempted by preempt_unannounced whose engine notice (preempted_req_ids) is still to come.
+        self._preempted_early: set[str] = set()
 
     # ------------------------------------------------------------------ queries
 
@@ -279,6 +286,11 @@ class OffloadingScheduler:
 
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._requests
+
+    def state_or_none(self, req_id: str) -> RequestState | None:
+        """The state of a tracked request, None for an untracked one (one lookup, never raises)."""
+        st = self._requests.get(req_id)
+        return None if st is None else st.state
 
     @property
     def num_jobs(self) -> int:
@@ -339,15 +351,22 @@ class OffloadingScheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _keys(self, request: OffloadRequest) -> list[OffloadKey]:
+    def _keys(self, st: RequestRecord, request: OffloadRequest) -> list[OffloadKey]:
         """One key per full chunk: the hash of the chunk's last block."""
         hashes = request.block_hashes
-        return self._chunk_keys(hashes, 0, len(hashes) // self.config.blocks_per_chunk)
+        return self._keys_upto(st, hashes, len(hashes) // self.config.blocks_per_chunk)
 
-    def _chunk_keys(self, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
+    def _keys_upto(self, st: RequestRecord, hashes: Sequence[bytes], stop: int) -> list[OffloadKey]:
+        """The request's keys of chunks ``0..stop-1`` (cached on the record: each key is made once)."""
+        keys = st.keys
+        if len(keys) < stop:
+            bpc = self.config.blocks_per_chunk
+            keys.extend(make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(keys), stop))
+        return keys
+
+    def _chunk_keys(self, st: RequestRecord, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
         """The keys of chunks ``start..stop-1`` only: O(chunks asked for), not O(prompt)."""
-        bpc = self.config.blocks_per_chunk
-        return [make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(start, stop)]
+        return self._keys_upto(st, hashes, stop)[start:stop]
 
     def _fire(self, st: RequestRecord, event: RequestEvent) -> None:
         match self._req_machine.fire(st, event):
@@ -425,7 +444,7 @@ class OffloadingScheduler:
             self._defer(st)
             return None, False
         tpc = self.config.tokens_per_chunk
-        keys = self._keys(request)
+        keys = self._keys(st, request)
         first = num_computed_tokens // tpc
         # The last prompt token is always recomputed (its logits are needed).
         last_allowed = (request.num_tokens - 1) // tpc
@@ -496,7 +515,7 @@ class OffloadingScheduler:
                 f"{st.num_local_tokens} local ones need whole chunks within {len(block_ids)} blocks"
             )
         hashes = request.block_hashes
-        keys = tuple(self._chunk_keys(hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
+        keys = tuple(self._chunk_keys(st, hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
         if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
             raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
@@ -510,6 +529,51 @@ class OffloadingScheduler:
         self._chunks_being_loaded.update(keys)
         self._batch.loads[job.job_id] = job
         self.stats.load_jobs += 1
+
+    def extend_running_blocks(self, request: OffloadRequest, block_ids: Sequence[int]) -> None:
+        """vLLM's second ``update_state_after_alloc`` (no external tokens) for a running request: once an
+        asynchronous load has finished, vLLM calls it again when it reschedules the request (spec/README.md,
+        "The scheduler/worker boundary"). Not an event of the request machine: only the request's block list
+        grows, and the blocks past those it held are fresh (they count as allocated for the fences).
+        A request that is not running raises :class:`InvalidTransition`, and nothing changes."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request.req_id!r} is not tracked; expected a running request")
+        if st.state is not RequestState.RUNNING:
+            raise InvalidTransition(
+                "request",
+                st.state.value,
+                "extend_blocks",
+                f"request {request.req_id!r} is not running; only a running request's blocks can be extended",
+            )
+        held = st.block_ids
+        if list(block_ids[: len(held)]) != held:
+            raise KvfsmError(
+                f"request {request.req_id!r}: blocks {list(block_ids)} do not extend the held {held}; "
+                "expected the held block list followed by new blocks"
+            )
+        self._batch.allocated.update(block_ids[len(held) :])
+        st.block_ids = list(block_ids)
+
+    def preempt_unannounced(self, request: OffloadRequest) -> None:
+        """The engine preempted a running request and looks it up again before the step's
+        ``preempted_req_ids`` says so (vLLM: ``reset_prefix_cache(reset_running_requests=True)``; spec/README.md,
+        "The scheduler/worker boundary"). Fires ``preempt`` now, exactly as the notice would (its jobs are
+        flushed by this step), and ignores the notice when it comes. A request that is not running raises
+        :class:`InvalidTransition`, and nothing changes."""
+        st = self._requests.get(request.req_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request.req_id!r} is not tracked; expected a running request")
+        if not self._req_machine.can_fire(st, RequestEvent.PREEMPT):
+            raise InvalidTransition(
+                "request", st.state.value, RequestEvent.PREEMPT.value, f"request {request.req_id!r} is not running"
+            )
+        if st.jobs:
+            self.stats.preemption_flushes += 1
+            self._batch.flush.update(st.jobs)
+        st.block_ids = []
+        self._fire(st, RequestEvent.PREEMPT)
+        self._preempted_early.add(request.req_id)
 
     # ------------------------------------------------------------------ per step
 
@@ -532,6 +596,9 @@ class OffloadingScheduler:
         self.manager.on_schedule_end()
 
         for req_id in output.preempted_req_ids:
+            if req_id in self._preempted_early:
+                self._preempted_early.discard(req_id)
+                continue  # already preempted when the engine looked it up again (preempt_unannounced)
             st = self._requests.get(req_id)
             if st is None:
                 continue
@@ -569,6 +636,32 @@ class OffloadingScheduler:
         self._batch = _Batch()
         return meta
 
+    # ------------------------------------------------------------------ across a process boundary
+
+    def build_step_message(self, output: SchedulerOutput) -> StepMessage:
+        """:meth:`build_connector_meta` for workers in other processes: the step's jobs as plain
+        :class:`StepMessage` records (spec/README.md, "The scheduler/worker boundary").
+
+        The engine hands every step's message to all W workers, and each starts every job it receives in
+        that step, so the scheduler fires ``launch`` for every rank here: from now on each rank owes one
+        report per job (a timed-out job stays quarantined until all W have reported)."""
+        meta = self.build_connector_meta(output)
+        for jobs in (meta.load_jobs, meta.store_jobs):
+            for job in jobs.values():
+                if job.is_terminal:
+                    continue
+                for rank in range(job.world_size):
+                    if not (job.launched_mask >> rank) & 1:
+                        job.launch(rank)
+        return StepMessage.of(meta)
+
+    def apply_reports(self, reports: Iterable[RankReport]) -> None:
+        """Apply the workers' :class:`RankReport` records of one step (any number per rank, each job at
+        most once per rank): :meth:`update_connector_output` over their merge."""
+        output = merge_reports(reports)
+        if not output.is_empty():
+            self.update_connector_output(output)
+
     def _check_step(self, output: SchedulerOutput) -> None:
         """Refuse a step that schedules an untracked request or preempts one that is not running, before
         anything changes: an operation that raises leaves every machine as it was. O(scheduled + preempted)."""
@@ -577,6 +670,8 @@ class OffloadingScheduler:
                 raise UnknownRequestError(f"scheduled request {sched.req_id!r} is not tracked by the connector")
         for req_id in output.preempted_req_ids:
             st = self._requests.get(req_id)
+            if req_id in self._preempted_early:
+                continue
             if st is not None and not self._req_machine.can_fire(st, RequestEvent.PREEMPT):
                 raise InvalidTransition(
                     "request",
@@ -600,12 +695,14 @@ class OffloadingScheduler:
             horizon = request.num_computed_tokens + num_scheduled
         if self.config.offload_prompt_only:
             horizon = min(horizon, request.num_prompt_tokens)
+        start = st.next_stored_chunk
+        if horizon // tpc <= start:
+            return  # no chunk completed since the last store (most decode steps): O(1)
         hashes = request.block_hashes
         storable = min(horizon // tpc, len(st.block_ids) // bpc, len(hashes) // bpc)
-        start = st.next_stored_chunk
         if storable <= start:
             return
-        candidates = self._chunk_keys(hashes, start, storable)
+        candidates = self._chunk_keys(st, hashes, start, storable)
         prepared = self.manager.prepare_store(candidates, st.ctx)
         if prepared is None:
             self.stats.allocation_failures += 1  # retried next step, including the finishing one
@@ -849,6 +946,7 @@ class OffloadingScheduler:
         self._chunks_being_loaded.clear()
         self._finished_unsignalled.clear()
         self._events.clear()
+        self._preempted_early.clear()
 
     # --- queries for verifiers ---
 

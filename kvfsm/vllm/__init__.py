@@ -1,4 +1,5 @@
-"""kvfsm inside vLLM 0.33 (the optional ``kvfsm[vllm]`` extra): ``spec_module_path="kvfsm.vllm"``.
+"""kvfsm inside vLLM 0.33 (the optional ``kvfsm[vllm]`` extra): ``spec_module_path="kvfsm.vllm"`` (the offloading
+spec route) or ``kv_connector_module_path="kvfsm.vllm"`` (the KvfsmConnector route).
 
 Names load on first use, so ``import kvfsm.vllm`` itself needs no vLLM and each route imports only its
 own module. The README's "Use with vLLM" section has the ``kv_transfer_config`` of each route.
@@ -15,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "KvfsmOffloadingWorker": "kvfsm.vllm.spec",
     "KvfsmCPUOffloadingManager": "kvfsm.vllm.manager",
     "KvfsmOffloadingManager": "kvfsm.vllm.manager",
+    "KvfsmConnector": "kvfsm.vllm.connector",
 }
 
 __all__ = sorted(_EXPORTS)

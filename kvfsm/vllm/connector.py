@@ -1,0 +1,450 @@
+"""``KvfsmConnector``: kvfsm's whole connector inside vLLM 0.33, as a ``KVConnectorBase_V1``.
+
+Load it with::
+
+    kv_transfer_config={"kv_connector": "KvfsmConnector", "kv_connector_module_path": "kvfsm.vllm",
+                        "kv_role": "kv_both", "kv_connector_extra_config": {"num_slots": 4096}}
+
+In vLLM's scheduler process it runs kvfsm's scheduler half (:class:`~kvfsm.control.scheduler.OffloadingScheduler`
+over a :class:`~kvfsm.control.cpu.CPUOffloadingManager`): the spec machines, fences, the non-blocking drain
+(``has_pending_push_work``), per-rank acks, typed failures and deadlines. In each worker it runs kvfsm's
+worker half (:class:`~kvfsm.control.messages.RemoteWorker` over an
+:class:`~kvfsm.control.worker.OffloadingWorker` and kvfsm's copy backend over the KV caches vLLM registers).
+What crosses between them is plain data (spec/README.md, "The scheduler/worker boundary"): a
+:class:`~kvfsm.control.messages.StepMessage` down, one :class:`~kvfsm.control.messages.RankReport` per worker
+up (in vLLM's ``kv_connector_worker_meta``, aggregated over the workers by vLLM).
+
+``kv_connector_extra_config`` keys (any other key is a :class:`~kvfsm.errors.ConfigError` naming it):
+
+================== ======================================================================================
+``num_slots``      CPU slots (one chunk each) per worker; required, int >= 1
+``blocks_per_chunk`` GPU blocks per chunk (the unit of lookups, stores, loads); int >= 1, default 1
+``policy``         ``"lru"`` (default) or ``"arc"``
+``copy_threads``   copy threads per worker (CPU KV caches); int >= 1, default 2
+``offload_prompt_only`` offload only prompt tokens, as vLLM's connector does (default false: generated
+                   tokens too, once they fill a chunk)
+``store_deadline_s`` / ``load_deadline_s``  seconds a store / load job may take (default 30; ``null``: none)
+``lookup_wait_s``  seconds a request waits on a chunk not readable yet (default 5; ``null``: none)
+``shutdown_s``     bound on ``shutdown()`` in seconds (default 20)
+================== ======================================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.request import RequestStatus
+
+from kvfsm.control.config import OffloadConfig
+from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines, run_bounded
+from kvfsm.control.messages import RankReport, RemoteWorker, StepMessage, StepResult
+from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
+from kvfsm.control.worker import OffloadingWorker
+from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.machines.names import RequestState
+
+RUNNING = RequestState.RUNNING
+_GROUP_0 = (0,)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvfsm.data.worker import BackendFactory
+
+__all__ = ["KvfsmConnector", "KvfsmConnectorMetadata", "KvfsmSettings", "KvfsmWorkerMetadata", "parse_settings"]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class KvfsmSettings:
+    """``kv_connector_extra_config``, validated (see the module docstring for each key)."""
+
+    num_slots: int
+    blocks_per_chunk: int = 1
+    policy: str = "lru"
+    copy_threads: int = 2
+    offload_prompt_only: bool = False
+    deadlines: Deadlines = field(default_factory=Deadlines)
+
+
+_DEADLINE_KEYS = {
+    "store_deadline_s": "store_s",
+    "load_deadline_s": "load_s",
+    "lookup_wait_s": "lookup_wait_s",
+    "shutdown_s": "shutdown_s",
+}
+_KEYS = {"num_slots", "blocks_per_chunk", "policy", "copy_threads", "offload_prompt_only", *_DEADLINE_KEYS}
+
+
+def _positive_int(key: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}; expected an int >= 1")
+    return value
+
+
+def parse_settings(extra: Mapping[str, Any]) -> KvfsmSettings:
+    """Validate ``kv_connector_extra_config``; a bad or unknown key raises :class:`ConfigError` naming it."""
+    unknown = sorted(set(extra) - _KEYS)
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config has unknown key(s) {unknown} for KvfsmConnector; "
+            f"expected some of {sorted(_KEYS)}"
+        )
+    if "num_slots" not in extra:
+        raise ConfigError("kv_connector_extra_config lacks 'num_slots' (CPU slots per worker); expected an int >= 1")
+    policy = extra.get("policy", "lru")
+    if policy not in ("lru", "arc"):
+        raise ConfigError(f"kv_connector_extra_config['policy'] = {policy!r}; expected 'lru' or 'arc'")
+    prompt_only = extra.get("offload_prompt_only", False)
+    if not isinstance(prompt_only, bool):
+        raise ConfigError(f"kv_connector_extra_config['offload_prompt_only'] = {prompt_only!r}; expected true or false")
+    limits: dict[str, float | None] = {}
+    for key, name in _DEADLINE_KEYS.items():
+        if key in extra:
+            value = extra[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}; expected seconds > 0 or null")
+            limits[name] = None if value is None else float(value)
+    defaults = Deadlines()
+    deadlines = Deadlines(
+        store_s=limits.get("store_s", defaults.store_s),
+        load_s=limits.get("load_s", defaults.load_s),
+        cascade_s=defaults.cascade_s,
+        promote_s=defaults.promote_s,
+        lookup_wait_s=limits.get("lookup_wait_s", defaults.lookup_wait_s),
+        shutdown_s=limits.get("shutdown_s", defaults.shutdown_s),
+    )
+    return KvfsmSettings(
+        num_slots=_positive_int("num_slots", extra["num_slots"]),
+        blocks_per_chunk=_positive_int("blocks_per_chunk", extra.get("blocks_per_chunk", 1)),
+        policy=str(policy),
+        copy_threads=_positive_int("copy_threads", extra.get("copy_threads", 2)),
+        offload_prompt_only=prompt_only,
+        deadlines=deadlines,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+
+@dataclass
+class KvfsmConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: this step's plain :class:`StepMessage` (nothing live crosses)."""
+
+    message: StepMessage
+
+
+@dataclass
+class KvfsmWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker(s) -> scheduler: one :class:`RankReport` per worker that reported this step."""
+
+    reports: tuple[RankReport, ...] = ()
+
+    @override
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KvfsmWorkerMetadata):
+            raise KvfsmError(f"cannot aggregate a {type(other).__name__} into kvfsm's worker metadata")
+        return KvfsmWorkerMetadata(self.reports + other.reports)
+
+
+class _RequestView:
+    """kvfsm's :class:`~kvfsm.control.scheduler.OffloadRequest` over a live vLLM ``Request``."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    @property
+    def req_id(self) -> str:
+        rid: str = self._request.request_id
+        return rid
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]:
+        hashes: Sequence[bytes] = self._request.block_hashes
+        return hashes
+
+    @property
+    def num_tokens(self) -> int:
+        n: int = self._request.num_tokens
+        return n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        n: int = self._request.num_prompt_tokens
+        return n
+
+    @property
+    def num_computed_tokens(self) -> int:
+        n: int = self._request.num_computed_tokens
+        return n
+
+    @property
+    def is_aborted(self) -> bool:
+        return bool(self._request.status == RequestStatus.FINISHED_ABORTED)
+
+
+def scheduler_output_of(output: VllmSchedulerOutput) -> SchedulerOutput:
+    """vLLM's scheduler output as kvfsm's: scheduled requests, preemptions, every block handed out."""
+    scheduled: list[ScheduledRequest] = []
+    allocated: set[int] = set()
+    num_tokens: Mapping[str, int] = output.num_scheduled_tokens
+    for req_id, groups, is_full_table in yield_req_data(output):
+        blocks = tuple(groups[0]) if groups else ()
+        scheduled.append(ScheduledRequest(req_id, blocks, num_tokens.get(req_id, 0), admitted=bool(is_full_table)))
+    for copy in output.kv_cache_block_copies or ():
+        allocated.add(int(copy.dst_block_id))
+    return SchedulerOutput(
+        scheduled=tuple(scheduled),
+        preempted_req_ids=frozenset(output.preempted_req_ids or ()),
+        allocated_block_ids=frozenset(allocated),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the connector
+
+
+class KvfsmConnector(KVConnectorBase_V1):
+    """kvfsm's scheduler half in vLLM's scheduler process, kvfsm's worker half in each worker."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra: Mapping[str, Any] = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.settings = parse_settings(extra)
+        parallel = vllm_config.parallel_config
+        self.world_size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+        self.config = OffloadConfig(
+            tokens_per_block=int(vllm_config.cache_config.block_size),
+            blocks_per_chunk=self.settings.blocks_per_chunk,
+            world_size=self.world_size,
+            offload_prompt_only=self.settings.offload_prompt_only,
+        )
+        self.num_gpu_blocks = int(kv_cache_config.num_blocks)
+        self.scheduler: OffloadingScheduler | None = None
+        self.worker: RemoteWorker | None = None
+        self._rank: int | None = None
+        #: Builds this worker's copy backend at ``register_kv_caches``: ``(layers, pool, blocks_per_chunk,
+        #: copy threads)``; kvfsm's default picks the CUDA backend for CUDA caches, else the thread pool.
+        self.backend_factory: BackendFactory | None = None
+        self._result: StepResult | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            manager = CPUOffloadingManager(self.settings.num_slots, self.settings.policy, enable_events=False)
+            self.scheduler = OffloadingScheduler(self.config, manager, deadlines=self.settings.deadlines)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _sched(self) -> OffloadingScheduler:
+        if self.scheduler is None:
+            raise KvfsmError("a scheduler-side KvfsmConnector method was called on the worker-role connector")
+        return self.scheduler
+
+    @override
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(_RequestView(request))
+
+    @override
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        sched, view = self._sched(), _RequestView(request)
+        if sched.state_or_none(view.req_id) is RUNNING:
+            # vLLM preempted it (reset_prefix_cache(reset_running_requests=True)) and looks it up again before
+            # this step's preempted_req_ids tells the connector.
+            sched.preempt_unannounced(view)
+        return sched.get_num_new_matched_tokens(view, num_computed_tokens)
+
+    @override
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        block_ids = [b.block_id for b in blocks.blocks[0]] if blocks.blocks else []
+        sched = self._sched()
+        view = _RequestView(request)
+        if num_external_tokens == 0 and sched.state_or_none(view.req_id) is RUNNING:
+            # vLLM's second call, once the request's asynchronous load finished and it is rescheduled.
+            sched.extend_running_blocks(view, block_ids)
+            return
+        sched.update_state_after_alloc(view, block_ids, num_external_tokens)
+
+    @override
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """kvfsm offloads the one attention group (vLLM's hybrid allocator is off with this connector)."""
+        return _GROUP_0
+
+    @override
+    def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
+        return KvfsmConnectorMetadata(self._sched().build_step_message(scheduler_output_of(scheduler_output)))
+
+    @override
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KvfsmWorkerMetadata):
+            raise KvfsmError(f"worker metadata is a {type(meta).__name__}; expected KvfsmWorkerMetadata")
+        self._sched().apply_reports(meta.reports)
+
+    @override
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Never delays the free: a store still reading a freed block is fenced and flushed before reuse.
+        self._sched().request_finished(_RequestView(request))
+        return False, None
+
+    @override
+    def has_pending_push_work(self) -> bool:
+        """vLLM's engine core keeps stepping while this is True (the non-blocking drain)."""
+        return self._sched().has_pending_push_work()
+
+    @override
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    @override
+    def reset_cache(self) -> bool | None:
+        self._sched().reset_cache()
+        return True
+
+    # ------------------------------------------------------------------ worker side
+
+    def bind_rank(self, rank: int) -> None:
+        """Set this worker's rank (vLLM: its tensor-parallel rank, read at registration when not set)."""
+        if type(rank) is not int or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank={rank!r}; expected an int in 0..{self.world_size - 1}")
+        self._rank = rank
+
+    def _worker_rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+        return int(get_tensor_model_parallel_rank()) if model_parallel_is_initialized() else 0
+
+    @override
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvfsm.data.pool import CPUSlotPool
+        from kvfsm.data.worker import default_backend
+
+        layers = block_major_layers(kv_caches, self.num_gpu_blocks)
+        block_shape = tuple(int(d) for d in layers[0].shape[1:])
+        pool = CPUSlotPool(
+            self.settings.num_slots, self.settings.blocks_per_chunk, block_shape, len(layers), layers[0].dtype
+        )
+        factory = default_backend if self.backend_factory is None else self.backend_factory
+        backend = factory(layers, pool, self.settings.blocks_per_chunk, self.settings.copy_threads)
+        self.worker = RemoteWorker(OffloadingWorker(self._worker_rank(), self.world_size, backend))
+
+    def _remote(self) -> RemoteWorker:
+        if self.worker is None:
+            raise KvfsmError("KvfsmConnector worker: register_kv_caches was not called before the first step")
+        return self.worker
+
+    def _message(self) -> StepMessage:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvfsmConnectorMetadata):
+            raise KvfsmError(f"connector metadata is a {type(meta).__name__}; expected KvfsmConnectorMetadata")
+        return meta.message
+
+    @override
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward, every step: flush the fenced stores (wait for them), then start the loads."""
+        if not isinstance(kv_connector_metadata, KvfsmConnectorMetadata):
+            raise KvfsmError(
+                f"connector metadata is a {type(kv_connector_metadata).__name__}; expected KvfsmConnectorMetadata"
+            )
+        remote = self._remote()
+        remote.bind(kv_connector_metadata.message)
+        remote.before_forward()
+
+    @override
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Loads already started in :meth:`handle_preemptions` (they write blocks this forward never reads)."""
+
+    @override
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    @override
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        pass
+
+    @override
+    def wait_for_save(self) -> None:
+        """After the forward: start this step's stores (they read the blocks it has just written)."""
+        self._remote().after_forward()
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._result = self._remote().poll()
+        return None, set(self._result.finished_loads)
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._result.failed_load_blocks) if self._result is not None else set()
+
+    @override
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        result, self._result = self._result, None
+        if result is None or result.report.is_empty():
+            return None
+        return KvfsmWorkerMetadata((result.report,))
+
+    @override
+    def shutdown(self) -> None:
+        """Bounded: the scheduler gives up on unreported jobs, a worker waits for its copies at most
+        ``shutdown_s``."""
+        limit = self.settings.deadlines.shutdown_s
+        if self.scheduler is not None:
+            self.scheduler.abandon_jobs()
+            self.scheduler.shutdown(limit)
+        if self.worker is not None:
+            worker = self.worker
+            if not run_bounded(worker.shutdown, limit, "kvfsm worker"):
+                logger.warning("kvfsm worker rank %d: copies still running after %s s at shutdown", worker.rank, limit)
+
+
+def block_major_layers(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """vLLM's per-layer KV caches as kvfsm's block-major tensors, ``(num_blocks, *block shape)`` each: a
+    block-first layer as it is, a ``(2, num_blocks, ...)`` layer (K and V) as two views."""
+    if not kv_caches:
+        raise ConfigError("register_kv_caches got no KV caches; expected one tensor per attention layer")
+    layers: list[torch.Tensor] = []
+    for name, t in kv_caches.items():
+        if t.dim() >= 2 and t.shape[0] == num_blocks:
+            layers.append(t)
+        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            layers.extend((t[0], t[1]))
+        else:
+            raise ConfigError(
+                f"KV cache {name!r} has shape {tuple(t.shape)}; expected (num_blocks={num_blocks}, ...) "
+                f"or (2, num_blocks={num_blocks}, ...)"
+            )
+    shape = tuple(layers[0].shape)
+    for t in layers:
+        if tuple(t.shape) != shape or t.dtype != layers[0].dtype:
+            raise ConfigError(
+                f"KV caches differ: {tuple(t.shape)} {t.dtype} vs {shape} {layers[0].dtype}; expected one shape"
+            )
+    return layers
