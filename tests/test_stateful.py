@@ -98,6 +98,25 @@ def test_control_machine_drives_the_control_plane_against_the_spec() -> None:
     _check_reached(log, set(ControlPlaneStateMachine.spec_coverage.covered))  # type: ignore[attr-defined]
 
 
+# ---------------------------------------------------------------------------------------------- checker paths
+
+
+def test_checker_path_machine_drives_the_control_plane_along_the_checkers_graph() -> None:
+    """The real control plane at the checker's granularity, along the checker's paths (kvfsm.testing.paths):
+    the states the whole-system machines cannot stop in (a job planned and not launched, one rank of two
+    reported) are reached and checked here."""
+    from kvfsm.testing.paths import CheckerPathStateMachine
+    from kvfsm.testing.system import GROUND_TRUTH_CHECKS
+
+    key = ("CheckerPathStateMachine", "any")
+    before = GROUND_TRUTH_CHECKS[key]
+    _run(CheckerPathStateMachine, steps=40, scale=20.0)
+    checks = GROUND_TRUTH_CHECKS[key] - before
+    print(f"checker-path ground-truth checks with a copy or a cascade held: {checks}")
+    if settings().derandomize:
+        assert checks >= 1000, f"only {checks} checks found work held on the data plane"
+
+
 # ---------------------------------------------------------------------------------------------- coverage
 
 

@@ -83,7 +83,8 @@ SYSTEM_EXEMPT: dict[str, str] = {
 }
 
 #: Checks of the data-plane ground truth made while real work remained, per machine class and kind of work
-#: (this process): "copy running" (a copy thread not finished), "copy unpolled" (finished, not reported),
+#: (this process): "copy running" (a copy thread not finished), "copy held" (submitted to a held backend,
+#: not run yet: :class:`kvfsm.testing.paths.CheckerPathStateMachine`), "copy unpolled" (finished, not reported),
 #: "tier job" (held by the tier), "any" (at least one of them), "given up" (work the spec gives up on: a
 #: stale or timed-out copy still unreported; not asserted, see :meth:`SystemStateMachine.data_plane_work`),
 #: "quarantined copy" (a timed-out job's copy not reported yet: the part of "given up" that issue 10 item 6
