@@ -94,8 +94,17 @@ def test_engine_machine_on_cuda() -> None:
 
 
 def test_control_machine_drives_the_control_plane_against_the_spec() -> None:
+    from kvfsm.testing.system import TIER_TRAFFIC
+
+    before = TIER_TRAFFIC.copy()
     log = _run(ControlPlaneStateMachine, steps=50, scale=15.0)
     _check_reached(log, set(ControlPlaneStateMachine.spec_coverage.covered))  # type: ignore[attr-defined]
+    traffic = TIER_TRAFFIC - before
+    print(f"secondary-tier jobs: {dict(sorted(traffic.items()))}")
+    # Multi-tier bookkeeping is exercised: each of the two tiers receives cascades and serves promotions.
+    if settings().derandomize:
+        missing = [(t, k) for t in ("mem", "mem2") for k in ("cascade", "promotion") if not traffic[(t, k)]]
+        assert not missing, f"the ci run never submitted {missing}"
 
 
 # ---------------------------------------------------------------------------------------------- checker paths

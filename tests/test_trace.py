@@ -330,3 +330,53 @@ def test_kvfsm_check_trace_accepts_a_valid_trace_and_rejects_a_tampered_one(
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["violations"] >= 1 and "[transition]" in out["first_violations"][0]
     assert main(["check", "--trace", str(tmp_path / "missing.ndjson")]) == 2
+
+
+def test_a_trace_recorded_under_a_lying_data_plane_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the copy backends' events recorded (format 3), a backend whose poll reports a copy that is still
+    held on its thread leaves a store committed before its copy finished in the trace: rejected."""
+    from planted_bugs import plant_poll_reports_unfinished
+
+    from kvfsm.data.events import copy_events_to
+    from kvfsm.testing.engine import EngineHarness
+    from kvfsm.testing.system import SystemConfig
+
+    def scenario() -> TraceReport:
+        """A store held on both ranks' copy threads (inside the real copy path) while the engine steps."""
+        sink = io.StringIO()
+        with TraceRecorder(sink, data_plane=True) as rec, copy_events_to(rec.copy_event):
+            h = EngineHarness(SystemConfig(world_size=2))
+            try:
+                h.add_request(h.make_request("A", tokens("A", 9), 1), late=False)
+                h.step()
+                h.step()  # the copies are held on their threads: an honest poll reports nothing
+                for backend in h.backends:
+                    backend.gate.open()  # every copy runs now (a lying poll has forgotten them already)
+                while h.step() is not None:
+                    pass
+                h.shutdown(None)
+            finally:
+                h.close()
+        return verify_trace(sink.getvalue().splitlines())
+
+    honest = scenario()
+    assert honest.ok and honest.copies == 4, honest.summary()  # one store, two ranks: submitted and finished
+    with plant_poll_reports_unfinished(monkeypatch):
+        lying = scenario()
+    assert {v.rule for v in lying.violations} >= {"copy_before_commit"}, lying.summary()
+
+
+def test_a_format_2_trace_is_still_read() -> None:
+    """Traces of the previous format (no data-plane records) are read and checked as before."""
+    sink = io.StringIO()
+    with TraceRecorder(sink) as rec, gated_engine(engine_config()) as ge:
+        drain(ge)
+    lines = sink.getvalue().splitlines()
+    header = json.loads(lines[0])
+    header["kvfsm_trace"] = 2
+    del header["data_plane"]
+    report = verify_trace([json.dumps(header), *lines[1:]])
+    assert report.ok and report.records == rec.records, report.summary()
+    header["kvfsm_trace"] = 1
+    old = verify_trace([json.dumps(header), *lines[1:]])
+    assert any(v.rule == "format" and "trace version 1" in v.detail for v in old.violations)
