@@ -61,6 +61,7 @@ __all__ = [
     "ThreadPoolCopyBackend",
     "chunk_rows",
     "cpu_calibration",
+    "job_side_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,25 @@ class CopyStatsMixin:
     @property
     def bytes_loaded(self) -> int:
         return self._tally.snapshot().bytes_loaded
+
+
+def job_side_bytes(
+    kv_caches: Sequence[torch.Tensor],
+    pool: CPUSlotPool,
+    is_store: bool,
+    gpu: GPUBlockSpec,
+    slots: SlotSpec,
+    *,
+    source: bool,
+) -> list[bytes]:
+    """The raw bytes of one side of a job, layer by layer, block by block in the job's order: its GPU blocks
+    (a store's source, a load's destination) or its CPU slot rows (the other side). For the data-plane events
+    (:mod:`kvfsm.data.events`); reading device memory synchronizes with the current stream."""
+    if is_store == source:
+        idx = torch.tensor(list(gpu.block_ids), dtype=torch.long, device=kv_caches[0].device)
+        return [_raw(layer.index_select(0, idx)) for layer in kv_caches]
+    rows = torch.tensor(chunk_rows(gpu, slots, pool.blocks_per_chunk), dtype=torch.long)
+    return [_raw(layer.index_select(0, rows)) for layer in pool.flat_layers]
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -592,13 +612,8 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         return future
 
     def job_bytes(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec, *, source: bool) -> list[bytes]:
-        """The raw bytes of one side of a job, layer by layer, block by block in the job's order: its GPU
-        blocks (a store's source, a load's destination) or its CPU slot rows (the other side)."""
-        if is_store == source:
-            idx = torch.tensor(list(gpu.block_ids), dtype=torch.long, device=self.device)
-            return [_raw(layer.index_select(0, idx)) for layer in self.kv_caches]
-        rows = torch.tensor(chunk_rows(gpu, slots, self.blocks_per_chunk), dtype=torch.long)
-        return [_raw(layer.index_select(0, rows)) for layer in self.pool.flat_layers]
+        """The raw bytes of one side of a job (see :func:`job_side_bytes`)."""
+        return job_side_bytes(self.kv_caches, self.pool, is_store, gpu, slots, source=source)
 
     def poll(self) -> list[tuple[int, bool]]:
         finished: list[tuple[int, bool]] = []

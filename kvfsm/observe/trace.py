@@ -349,7 +349,8 @@ class TraceReport:
         models = ", ".join(f"{n} {m}s" for m, n in sorted(self.models.items()))
         head = (
             f"{self.records} transitions of {models or 'no models'}"
-            f"{f' in {self.scopes} scopes' if self.scopes > 1 else ''}: "
+            f"{f' in {self.scopes} scopes' if self.scopes > 1 else ''}"
+            f"{f', {self.copies} data-plane copy records' if self.copies else ''}: "
         )
         if self.ok:
             return head + "a valid behaviour of the spec"
