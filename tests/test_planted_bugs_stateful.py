@@ -206,10 +206,16 @@ CATCHERS: dict[str, tuple[str, str]] = {
 }
 
 
-#: Budgets above MAX_EXAMPLES, with the reason. A lost deadline shows only when a load (the short deadline)
-#: is still in flight when time reaches its deadline and not an older store's: about one example in a few
-#: hundred (515 here); derandomized seeds move with the install path, so the budget leaves room.
-BUDGETS: dict[str, int] = {"deadline_queue_loses_order": 4000}
+#: Budgets above MAX_EXAMPLES, with the reason: these need a rare coincidence (a load still in flight when
+#: time reaches its deadline and not an older store's; a timed-out copy or tier transfer that has not
+#: reported yet, with deadlines drawn in one config of three), found after tens to hundreds of examples here,
+#: and derandomized seeds move with the install path, so the budget leaves room. A budget costs time only
+#: when the mutant survives.
+BUDGETS: dict[str, int] = {
+    "deadline_queue_loses_order": 4000,
+    "scheduler.quarantine": 4000,
+    "tiering.quarantine": 4000,
+}
 
 
 def _catcher(kind: str) -> tuple[type[RuleBasedStateMachine], int]:
@@ -246,9 +252,10 @@ def test_every_has_pending_term_has_a_mutant_that_matches_the_code() -> None:
 def test_every_has_pending_term_mutant_is_killed(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     kind, expected = CATCHERS[name]
     machine, steps = _catcher(kind)
+    budget = BUDGETS.get(name, MAX_EXAMPLES)
     with PENDING_TERM_MUTANTS[name].plant(monkeypatch):
-        first, _ = _find(machine, name, steps=steps, expected={name: expected})
-        assert first <= MAX_EXAMPLES
+        first, _ = _find(machine, name, steps=steps, expected={name: expected}, max_examples=budget)
+        assert first <= budget
 
 
 @pytest.mark.parametrize("name", sorted(OUTSIDE_LIES))

@@ -722,24 +722,35 @@ class SystemStateMachine(RuleBasedStateMachine):
         self.h.clock.advance(seconds)
 
     @covers("job.time_out")
-    @precondition(lambda self: bool(self._next_deadline()))
-    @rule()
-    def advance_to_next_deadline(self) -> None:
-        """Time passes exactly to the earliest deadline of a live job (the boundary: a job whose deadline is
-        now times out at the next step), whatever order the deadlines were set in."""
-        due = self._next_deadline()
+    @precondition(lambda self: self._next_deadline(None) is not None)
+    @rule(transfers=st.booleans())
+    def advance_to_next_deadline(self, transfers: bool) -> None:
+        """Time passes exactly to the earliest deadline of a live job or tier transfer (the boundary: one whose
+        deadline is now times out at the next step), whatever order the deadlines were set in."""
+        due = self._next_deadline(transfers)
+        if due is None:
+            due = self._next_deadline(not transfers)
         assert due is not None
         self.h.clock.advance(due - self.h.clock())
 
-    def _next_deadline(self) -> float | None:
-        """The earliest deadline, later than now, of a job the scheduler awaits (None: none)."""
-        deadlines = self.h.config.deadlines
+    def _next_deadline(self, transfers: bool | None) -> float | None:
+        """The earliest deadline, later than now, of a job the scheduler awaits (``transfers`` False), of a
+        tier transfer in flight (True), or of either (None); None if there is none."""
+        h = self.h
+        deadlines = h.config.deadlines
         if not deadlines.any_job_deadline:
             return None
-        now = self.h.clock()
+        now = h.clock()
+        live: list[Job] = [] if transfers else list(h.scheduler.jobs().values())
+        if transfers is not False:
+            live += [
+                job
+                for j in h.tier_job_ids()
+                if h.manager.transfer_in_flight(j) and (job := self._jobs.get(("tier", j))) is not None
+            ]
         due = [
             self._born[key] + limit
-            for job in self.h.scheduler.jobs().values()
+            for job in live
             if (limit := deadlines.for_kind(job.kind)) is not None
             and (key := (self._namespace(job), job.job_id)) in self._born
             and self._born[key] + limit > now
