@@ -102,9 +102,12 @@ def run_demo(quick: bool = False, trace: str | Path | None = None, plot: str | P
     with ExitStack() as stack:
         recorder = None
         if trace is not None:
+            from kvfsm.data.events import copy_events_to
             from kvfsm.observe.trace import TraceRecorder
 
-            recorder = stack.enter_context(TraceRecorder(trace))
+            # The data plane's copy events too (submitted / finished, with checksums): trace format 3.
+            recorder = stack.enter_context(TraceRecorder(trace, data_plane=True))
+            stack.enter_context(copy_events_to(recorder.copy_event))
         ok = _run_demo(quick, recorder, plot)
     if recorder is not None and trace is not None:
         from kvfsm.observe.trace import verify_trace_file

@@ -29,7 +29,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for name in machines:
         kinds = ", ".join(
             f"{kind}: {GROUND_TRUTH_CHECKS[(name, kind)]}"
-            for kind in ("copy running", "copy unpolled", "tier job", "given up", "quarantined copy")
+            for kind in ("copy running", "copy held", "copy unpolled", "tier job", "given up", "quarantined copy")
         )
         terminalreporter.write_line(
             f"{name}: ground-truth checks with real work in flight: {GROUND_TRUTH_CHECKS[(name, 'any')]} ({kinds})"

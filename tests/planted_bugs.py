@@ -7,6 +7,11 @@ guards through the public :meth:`kvfsm.machines.compiled.SpecMachine.planted`. B
 functions that both the real system and the model checker (:mod:`kvfsm.check`) call, so a bug planted
 here is seen by both, and by the Hypothesis stateful machine too.
 
+Further down: lies of the data plane (``DATA_PLANE_LIES``), and bugs planted outside the shared pure
+functions, in methods the model checker never calls (``PENDING_TERM_MUTANTS``: each has-pending term
+dropped; ``OUTSIDE_LIES``: a tier, the tiering manager or the deadline queue lying), which only the stateful
+machines can catch.
+
 ``PLANTED_BUGS`` maps each name to its function; tests parametrize over it::
 
     @pytest.mark.parametrize("name", sorted(PLANTED_BUGS))
@@ -21,9 +26,11 @@ compiled tables ``SpecMachine.planted`` rebuilds).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
@@ -36,7 +43,10 @@ from kvfsm.machines.names import SlotState
 
 __all__ = [
     "DATA_PLANE_LIES",
+    "OUTSIDE_LIES",
+    "PENDING_TERM_MUTANTS",
     "PLANTED_BUGS",
+    "PendingTermMutant",
     "plant_evict_reading_slot",
     "plant_fence_flush_skipped",
     "plant_future_done_early",
@@ -197,4 +207,227 @@ def plant_future_done_early(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 DATA_PLANE_LIES: dict[str, Callable[[pytest.MonkeyPatch], AbstractContextManager[None]]] = {
     "poll_reports_unfinished": plant_poll_reports_unfinished,
     "future_done_early": plant_future_done_early,
+}
+
+
+# ---------------------------------------------------------------------------------------------- pending-work terms
+#
+# Mutants of each term of the has-pending methods (the scheduler's, the tiering manager's, the tiers'), made
+# on the methods themselves, outside the shared pure functions: the model checker does not call these
+# methods, so only the stateful machines can catch them. ``fragment`` is the source text of the term the
+# mutant drops: tests/test_planted_bugs_stateful.py checks that it is still in the method, so a mutant cannot
+# silently stop matching the code.
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTermMutant:
+    """One has-pending term, dropped: where it lives and what the mutant puts there instead."""
+
+    owner: str  #: "module:Class.method" of the method that holds the term
+    fragment: str  #: the term's source text in that method
+    plant: Callable[[pytest.MonkeyPatch], AbstractContextManager[None]]
+
+
+@contextmanager
+def _patched(target: object, name: str, value: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with monkeypatch.context() as mp:
+        mp.setattr(target, name, value)
+        yield
+
+
+def _scheduler_without_jobs(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """has_pending_push_work() forgets the awaited jobs (asks only the quarantine and the manager)."""
+    return _patched(
+        scheduler_mod.OffloadingScheduler,
+        "has_pending_push_work",
+        lambda self: self._other_pending_work(),
+        monkeypatch,
+    )
+
+
+def _scheduler_without_quarantine(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """Quarantined (timed-out) copies that have not reported are not pending work."""
+    return _patched(
+        scheduler_mod.OffloadingScheduler,
+        "_other_pending_work",
+        lambda self: self.manager.has_pending_work(),
+        monkeypatch,
+    )
+
+
+def _scheduler_without_manager(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """The manager's own pending work (its tier transfers) is forgotten."""
+    return _patched(
+        scheduler_mod.OffloadingScheduler,
+        "_other_pending_work",
+        lambda self: bool(self._quarantine) and not self._abandoned,
+        monkeypatch,
+    )
+
+
+def _tiering_without_transfers(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """The tiering manager ignores its in-flight transfers (cascades, promotions) in has_pending_work."""
+    from kvfsm.control.tiering import TieringManager
+
+    def buggy(self: TieringManager) -> bool:
+        if self._abandoned:
+            return False
+        return bool(self._quarantine) or any(t.has_pending_work() for t in self._tiers)
+
+    return _patched(TieringManager, "has_pending_work", buggy, monkeypatch)
+
+
+def _tiering_without_quarantine(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """The tiering manager ignores its timed-out transfers whose tier has not reported."""
+    from kvfsm.control.tiering import TieringManager
+
+    def buggy(self: TieringManager) -> bool:
+        if self._abandoned:
+            return False
+        return bool(self._transfer_jobs) or any(t.has_pending_work() for t in self._tiers)
+
+    return _patched(TieringManager, "has_pending_work", buggy, monkeypatch)
+
+
+def _tiering_without_tiers(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """The tiering manager ignores the tiers' own pending work (the tier term)."""
+    from kvfsm.control.tiering import TieringManager
+
+    def buggy(self: TieringManager) -> bool:
+        if self._abandoned:
+            return False
+        return bool(self._transfer_jobs or self._quarantine)
+
+    return _patched(TieringManager, "has_pending_work", buggy, monkeypatch)
+
+
+def _fs_tier_under_reports(monkeypatch: pytest.MonkeyPatch) -> AbstractContextManager[None]:
+    """The file-system tier says it has no pending work while its durable-mode syncs are queued or running."""
+    from kvfsm.tiers.fs import FileSystemTier
+
+    return _patched(FileSystemTier, "has_pending_work", lambda self: False, monkeypatch)
+
+
+PENDING_TERM_MUTANTS: dict[str, PendingTermMutant] = {
+    "scheduler.jobs": PendingTermMutant(
+        "kvfsm.control.scheduler:OffloadingScheduler.has_pending_push_work",
+        "self._jobs.values()",
+        _scheduler_without_jobs,
+    ),
+    "scheduler.quarantine": PendingTermMutant(
+        "kvfsm.control.scheduler:OffloadingScheduler._other_pending_work",
+        "bool(self._quarantine) and not self._abandoned",
+        _scheduler_without_quarantine,
+    ),
+    "scheduler.manager": PendingTermMutant(
+        "kvfsm.control.scheduler:OffloadingScheduler._other_pending_work",
+        "self.manager.has_pending_work()",
+        _scheduler_without_manager,
+    ),
+    "tiering.transfers": PendingTermMutant(
+        "kvfsm.control.tiering:TieringManager.has_pending_work", "self._transfer_jobs", _tiering_without_transfers
+    ),
+    "tiering.quarantine": PendingTermMutant(
+        "kvfsm.control.tiering:TieringManager.has_pending_work", "self._quarantine", _tiering_without_quarantine
+    ),
+    "tiering.tiers": PendingTermMutant(
+        "kvfsm.control.tiering:TieringManager.has_pending_work",
+        "any(tier.has_pending_work() for tier in self._tiers)",
+        _tiering_without_tiers,
+    ),
+    "fs_tier.durability": PendingTermMutant(
+        "kvfsm.tiers.fs:FileSystemTier.has_pending_work", "self.durability_pending > 0", _fs_tier_under_reports
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------- tier and deadline lies
+
+
+@contextmanager
+def plant_tier_reports_before_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The file-system tier reports every cascade done as soon as it is submitted, before its file is
+    written (the real result, when it comes, is dropped)."""
+    from kvfsm.control.manager import JobResult, TierJob
+    from kvfsm.tiers.fs import FileSystemTier
+
+    early: dict[int, set[int]] = {}
+    due: dict[int, list[JobResult]] = {}
+    real_submit, real_finished = FileSystemTier.submit_store, FileSystemTier.get_finished_jobs
+
+    def submit_store(self: FileSystemTier, job: TierJob) -> None:
+        real_submit(self, job)
+        early.setdefault(id(self), set()).add(job.job_id)
+        due.setdefault(id(self), []).append(JobResult(job.job_id, True))
+
+    def get_finished_jobs(self: FileSystemTier) -> list[JobResult]:
+        mine = early.get(id(self), set())
+        real = [r for r in real_finished(self) if r.job_id not in mine]
+        now, due[id(self)] = due.get(id(self), []), []
+        return now + real
+
+    with monkeypatch.context() as mp:
+        mp.setattr(FileSystemTier, "submit_store", submit_store)
+        mp.setattr(FileSystemTier, "get_finished_jobs", get_finished_jobs)
+        yield
+
+
+@contextmanager
+def plant_promotion_from_wrong_tier(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The tiering manager submits each promotion to the tier after the one that answered HIT (its
+    bookkeeping consistent with that choice, so only the tiers can tell)."""
+    from kvfsm.control.tiering import TieringManager
+    from kvfsm.control.types import SlotSpec
+    from kvfsm.machines.names import JobKind
+
+    def flush_promotions(self: TieringManager) -> None:
+        primary = self._primary
+        n = len(self._tiers)
+        for i in range(n):
+            per_req = self._queued[i]
+            while per_req:
+                req_id, keys = next(iter(per_req.items()))
+                del per_req[req_id]
+                keys_t = tuple(keys)
+                slots = SlotSpec(tuple(self._slot_id(k) for k in keys_t))
+                job = self._new_job(JobKind.PROMOTE, req_id, keys_t, slots)
+                wrong = (i + 1) % n
+                self._submit(wrong, job, self._tiers[wrong].submit_load, partial(primary.complete_write, keys_t, False))
+                self._stats.promotions_submitted += len(keys_t)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(TieringManager, "_flush_promotions", flush_promotions)
+        yield
+
+
+@contextmanager
+def plant_deadline_queue_loses_order(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The deadline queue keeps its entries in the order they were pushed and pops from the front while the
+    front has expired: a deadline set later but due earlier waits behind one that is not due."""
+    from kvfsm.control.deadlines import DeadlineQueue
+
+    def push(self: DeadlineQueue, item: int, deadline: float) -> None:
+        self._heap.append((deadline, item))
+
+    def pop_expired(self: DeadlineQueue, now: float) -> list[int]:
+        out: list[int] = []
+        while self._heap and self._heap[0][0] <= now:
+            out.append(self._heap.pop(0)[1])
+        return out
+
+    def compact(self: DeadlineQueue, live: Container[int], live_count: int) -> None:
+        if len(self._heap) > 2 * live_count + 64:
+            self._heap = [e for e in self._heap if e[1] in live]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(DeadlineQueue, "push", push)
+        mp.setattr(DeadlineQueue, "pop_expired", pop_expired)
+        mp.setattr(DeadlineQueue, "compact", compact)
+        yield
+
+
+OUTSIDE_LIES: dict[str, Callable[[pytest.MonkeyPatch], AbstractContextManager[None]]] = {
+    "tier_reports_before_io": plant_tier_reports_before_io,
+    "promotion_from_wrong_tier": plant_promotion_from_wrong_tier,
+    "deadline_queue_loses_order": plant_deadline_queue_loses_order,
 }

@@ -66,6 +66,17 @@ def test_the_profiles_and_run_sizes_match_the_tests() -> None:
     for name, examples in PROFILES.items():
         assert settings.get_profile(name).max_examples == examples, name
     text = (ROOT / "tests" / "test_stateful.py").read_text()
-    classes = {"control": "ControlPlaneStateMachine", "engine": "EngineStateMachine"}
+    classes = {
+        "control": "ControlPlaneStateMachine",
+        "engine": "EngineStateMachine",
+        "paths": "CheckerPathStateMachine",
+    }
     for name, (steps, scale) in CI_RUNS.items():
         assert f"_run({classes[name]}, steps={steps}, scale={scale})" in text, name
+
+
+def test_the_checker_path_machine_visits_every_state_at_tiny_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each example walks the checker's shortest path to one abstract state: at bounds this small, a few
+    examples reach all of them (the control machine, which steps the engine loop whole, does not)."""
+    percent, n, _ = _run(capsys, ["--machine", "paths", "--examples", "30", "--steps", "20", *TINY])
+    assert n > 1 and percent == 100.0

@@ -330,3 +330,95 @@ def test_kvfsm_check_trace_accepts_a_valid_trace_and_rejects_a_tampered_one(
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["violations"] >= 1 and "[transition]" in out["first_violations"][0]
     assert main(["check", "--trace", str(tmp_path / "missing.ndjson")]) == 2
+
+
+def test_a_trace_recorded_under_a_lying_data_plane_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the copy backends' events recorded (format 3), a backend whose poll reports a copy that is still
+    held on its thread leaves a store committed before its copy finished in the trace: rejected."""
+    from planted_bugs import plant_poll_reports_unfinished
+
+    from kvfsm.data.events import copy_events_to
+    from kvfsm.testing.engine import EngineHarness
+    from kvfsm.testing.system import SystemConfig
+
+    def scenario() -> TraceReport:
+        """A store held on both ranks' copy threads (inside the real copy path) while the engine steps."""
+        sink = io.StringIO()
+        with TraceRecorder(sink, data_plane=True) as rec, copy_events_to(rec.copy_event):
+            h = EngineHarness(SystemConfig(world_size=2))
+            try:
+                h.add_request(h.make_request("A", tokens("A", 9), 1), late=False)
+                h.step()
+                h.step()  # the copies are held on their threads: an honest poll reports nothing
+                for backend in h.backends:
+                    backend.gate.open()  # every copy runs now (a lying poll has forgotten them already)
+                while h.step() is not None:
+                    pass
+                h.shutdown(None)
+            finally:
+                h.close()
+        return verify_trace(sink.getvalue().splitlines())
+
+    honest = scenario()
+    assert honest.ok and honest.copies == 4, honest.summary()  # one store, two ranks: submitted and finished
+    with plant_poll_reports_unfinished(monkeypatch):
+        lying = scenario()
+    assert {v.rule for v in lying.violations} >= {"copy_before_commit"}, lying.summary()
+
+
+def test_a_format_2_trace_is_still_read() -> None:
+    """Traces of the previous format (no data-plane records) are read and checked as before."""
+    sink = io.StringIO()
+    with TraceRecorder(sink) as rec, gated_engine(engine_config()) as ge:
+        drain(ge)
+    lines = sink.getvalue().splitlines()
+    header = json.loads(lines[0])
+    header["kvfsm_trace"] = 2
+    del header["data_plane"]
+    report = verify_trace([json.dumps(header), *lines[1:]])
+    assert report.ok and report.records == rec.records, report.summary()
+    header["kvfsm_trace"] = 1
+    old = verify_trace([json.dumps(header), *lines[1:]])
+    assert any(v.rule == "format" and "trace version 1" in v.detail for v in old.violations)
+
+
+@pytest.mark.parametrize("backend_kind", ["thread-pool", "cuda-emulated"])
+def test_both_copy_backends_emit_the_data_plane_events(backend_kind: str) -> None:
+    """A store and then a load of the same blocks: each copy is "submitted" with its source bytes' checksum
+    and "finished" with its destination bytes' checksum, equal; the load's bytes are the store's."""
+    torch = pytest.importorskip("torch")
+    from kvfsm.control.types import GPUBlockSpec, SlotSpec
+    from kvfsm.data.backend import ThreadPoolCopyBackend
+    from kvfsm.data.cuda import CudaCopyBackend, EmulatedDevice
+    from kvfsm.data.events import copy_events_to, listening
+    from kvfsm.data.pool import CPUSlotPool
+
+    kv = [torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4) + 100 * layer for layer in range(2)]
+    pool = CPUSlotPool(4, 2, (4,), 2, torch.float32, pin_memory=False)
+    backend: ThreadPoolCopyBackend | CudaCopyBackend
+    if backend_kind == "thread-pool":
+        backend = ThreadPoolCopyBackend(kv, pool, 2, max_workers=1)
+    else:
+        backend = CudaCopyBackend(kv, pool, 2, copy_path="dma", device_api=EmulatedDevice())
+    seen: list[tuple[str, int, bool, int, str | None, bool | None]] = []
+    assert not listening()
+    with copy_events_to(lambda *event: seen.append(event)):
+        assert listening()
+        backend.submit(1, True, GPUBlockSpec((3, 1, 6)), SlotSpec((2, 0)))
+        backend.wait([1])
+        assert backend.poll() == [(1, True)]
+        for layer in kv:
+            layer.zero_()  # the GPU blocks are overwritten: the load must bring the stored bytes back
+        backend.submit(2, False, GPUBlockSpec((3, 1, 6)), SlotSpec((2, 0)))
+        backend.wait([2])
+        assert backend.poll() == [(2, True)]
+    backend.shutdown()
+    assert [(e[0], e[1], e[2], e[5]) for e in seen] == [
+        ("submitted", 1, True, None),
+        ("finished", 1, True, True),
+        ("submitted", 2, False, None),
+        ("finished", 2, False, True),
+    ]
+    assert len({e[3] for e in seen}) == 1  # one backend
+    sums = [e[4] for e in seen]
+    assert sums[0] == sums[1] == sums[2] == sums[3] is not None  # stored bytes, loaded back unchanged

@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 from helpers import engine_config, gated_engine
 from test_trace import drain
 
+from kvfsm.data.events import copy_events_to
 from kvfsm.demo import DEMO_CONFIG, run_workload
 from kvfsm.machines.loader import load_machine
 from kvfsm.observe.trace import TraceRecorder, TraceReport, verify_trace
@@ -32,7 +33,8 @@ Tamper = Callable[[list[Record], random.Random], Iterator[tuple[str, list[Record
 @pytest.fixture(scope="module")
 def trace() -> list[Record]:
     sink = io.StringIO()
-    with TraceRecorder(sink) as rec:
+    # The data plane's copy events recorded too: every real copy's submission and completion, with checksums.
+    with TraceRecorder(sink, data_plane=True) as rec, copy_events_to(rec.copy_event):
         rec.scope("workload")
         run_workload(DEMO_CONFIG, users=3, turns=3)
         rec.scope("drain")
@@ -62,7 +64,15 @@ def renumber(records: list[Record]) -> list[Record]:
 
 
 def transitions(records: list[Record], machine: str | None = None) -> list[int]:
-    return [i for i, r in enumerate(records) if "seq" in r and (machine is None or r["machine"] == machine)]
+    return [
+        i
+        for i, r in enumerate(records)
+        if "seq" in r and "copy" not in r and (machine is None or r["machine"] == machine)
+    ]
+
+
+def copies(records: list[Record], event: str) -> list[int]:
+    return [i for i, r in enumerate(records) if r.get("copy") == event]
 
 
 def job_kinds(records: list[Record]) -> dict[int, str]:
@@ -192,6 +202,49 @@ def renumber_seq(trace: list[Record], rng: random.Random) -> Iterator[tuple[str,
         yield "seq|format", t
 
 
+def commit_before_its_copy_finished(trace: list[Record], rng: random.Random) -> Iterator[tuple[str, list[Record]]]:
+    """Move one of a store's or load's "copy finished" records to just after the job's commit (renumbered):
+    the trace then says the job committed (or was acked) before that copy had finished."""
+    scope = 0
+    done: dict[tuple[int, str, str], int] = {}  # (scope, kind, job id) -> index of its commit record
+    kinds = job_kinds(trace)
+    for i, r in enumerate(trace):
+        if "scope" in r:
+            scope += 1
+        elif r.get("machine") == "job" and r["to"] == "complete" and kinds.get(r["inst"]) in ("store", "load"):
+            done[(scope, kinds[r["inst"]], r["id"])] = i
+    scope = 0
+    for i, r in enumerate(trace):
+        if "scope" in r:
+            scope += 1
+            continue
+        if r.get("copy") != "finished":
+            continue
+        commit = done.get((scope, r["kind"], r["job"]))
+        if commit is None or commit < i:
+            continue
+        t = copy(trace)
+        moved = t.pop(i)
+        t.insert(commit, moved)  # commit shifted down by one: the record lands right after it
+        yield "copy_before_commit", renumber(t)
+
+
+def change_a_copys_checksum(trace: list[Record], rng: random.Random) -> Iterator[tuple[str, list[Record]]]:
+    """Give a successful copy's "finished" record (the bytes it holds) or its "submitted" record (the bytes
+    it was given) another checksum."""
+    for event in ("finished", "submitted"):
+        for i in copies(trace, event):
+            if event == "finished" and not trace[i]["ok"]:
+                continue
+            t = copy(trace)
+            old = t[i]["sum"]
+            new = old
+            while new == old:
+                new = f"{rng.getrandbits(64):016x}"
+            t[i]["sum"] = new
+            yield "copy_checksum", t
+
+
 CLASSES: dict[str, Tamper] = {
     "drop each line": drop_a_line,
     "drop each model's last record": drop_a_models_last_record,
@@ -200,6 +253,8 @@ CLASSES: dict[str, Tamper] = {
     "lower an ack count": lower_an_ack_count,
     "change a load job's final state along a legal edge": change_a_loads_outcome,
     "renumber seq": renumber_seq,
+    "commit before its copy finished": commit_before_its_copy_finished,
+    "change a copy's checksum": change_a_copys_checksum,
 }
 
 
@@ -208,6 +263,8 @@ def test_the_untampered_trace_validates(trace: list[Record]) -> None:
     assert report.ok, report.summary()
     assert report.scopes == 2 and report.models["job"] >= 10
     assert sum(1 for kind in job_kinds(trace).values() if kind == "load") >= 3
+    # Every store and load copied on both ranks is on record, submitted and finished.
+    assert report.copies >= 20 and len(copies(trace, "submitted")) == len(copies(trace, "finished"))
 
 
 @pytest.mark.parametrize("name", list(CLASSES))

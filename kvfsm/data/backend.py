@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.data import events
 from kvfsm.data.calibration import CalibrationTable, Choice, cached_table
 from kvfsm.data.gate import CopyGate
 from kvfsm.data.hostmem import host_buffer
@@ -60,6 +61,7 @@ __all__ = [
     "ThreadPoolCopyBackend",
     "chunk_rows",
     "cpu_calibration",
+    "job_side_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,30 @@ class CopyStatsMixin:
     @property
     def bytes_loaded(self) -> int:
         return self._tally.snapshot().bytes_loaded
+
+
+def job_side_bytes(
+    kv_caches: Sequence[torch.Tensor],
+    pool: CPUSlotPool,
+    is_store: bool,
+    gpu: GPUBlockSpec,
+    slots: SlotSpec,
+    *,
+    source: bool,
+) -> list[bytes]:
+    """The raw bytes of one side of a job, layer by layer, block by block in the job's order: its GPU blocks
+    (a store's source, a load's destination) or its CPU slot rows (the other side). For the data-plane events
+    (:mod:`kvfsm.data.events`); reading device memory synchronizes with the current stream."""
+    if is_store == source:
+        idx = torch.tensor(list(gpu.block_ids), dtype=torch.long, device=kv_caches[0].device)
+        return [_raw(layer.index_select(0, idx)) for layer in kv_caches]
+    rows = torch.tensor(chunk_rows(gpu, slots, pool.blocks_per_chunk), dtype=torch.long)
+    return [_raw(layer.index_select(0, rows)) for layer in pool.flat_layers]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes (any dtype, any device), in row-major order."""
+    return bytes(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
 def _idx(a: IndexArray) -> torch.Tensor:
@@ -505,6 +531,7 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         "_tally",
         "blocks_per_chunk",
         "copier",
+        "copy_source",
         "device",
         "kv_caches",
         "num_blocks",
@@ -554,6 +581,8 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
         self.path_counts: Counter[tuple[str, str]] = Counter()
         self._closed = False
         self._gate = gate
+        #: This backend's number in the data-plane events (:mod:`kvfsm.data.events`).
+        self.copy_source = events.next_source()
 
     # ------------------------------------------------------------------ validation
 
@@ -574,9 +603,17 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
             # forward that wrote the blocks, or that may still read or zero re-allocated ones).
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
+        if events.listening():
+            # The source bytes as they are now, when the copy is handed to its thread (tracing only).
+            digest = events.checksum(self.job_bytes(is_store, gpu, slots, source=True))
+            events.emit_copy("submitted", job_id, is_store, self.copy_source, digest, None)
         future = self._executor.submit(self._run, job_id, is_store, gpu, slots, ready)
         self._inflight[job_id] = future
         return future
+
+    def job_bytes(self, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec, *, source: bool) -> list[bytes]:
+        """The raw bytes of one side of a job (see :func:`job_side_bytes`)."""
+        return job_side_bytes(self.kv_caches, self.pool, is_store, gpu, slots, source=source)
 
     def poll(self) -> list[tuple[int, bool]]:
         finished: list[tuple[int, bool]] = []
@@ -654,11 +691,17 @@ class ThreadPoolCopyBackend(CopyStatsMixin):
                     self._copy(plan)
         except BaseException:
             self._tally.failed()
+            if events.listening():
+                events.emit_copy("finished", job_id, is_store, self.copy_source, None, False)
             raise
         finally:
             if gate is not None:
                 gate.leave(job_id)
         self._tally.succeeded(is_store, len(gpu.block_ids) * self._bytes_per_block)
+        if events.listening():
+            # On the copy thread, before the future completes: before any poll can report the job.
+            digest = events.checksum(self.job_bytes(is_store, gpu, slots, source=False))
+            events.emit_copy("finished", job_id, is_store, self.copy_source, digest, True)
 
     def _copy(self, plan: JobPlan) -> None:
         assert self.copier is not None

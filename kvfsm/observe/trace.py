@@ -3,13 +3,16 @@
 Recording: :class:`TraceRecorder` installs itself as the process-wide transition tracer
 (:func:`kvfsm.machines.compiled.add_tracer`, beside any other tracer) and writes one JSON object per line::
 
-    {"kvfsm_trace": 2, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter"}            <- header
+    {"kvfsm_trace": 3, "spec": {"job": "3f1c...", ...}, "clock": "perf_counter",
+     "data_plane": true}                                                                   <- header
     {"scope": "workload"}                                                                  <- optional
     {"seq": 0, "t": 0.000123, "machine": "job", "id": "7", "inst": 3, "event": "launch",
      "from": "submitted", "to": "in_flight", "kind": "store", "req": "u0-t0", "W": 2,
      "keys": ["ab12..."], "pending": 2, "failed": 0, "launched": 0, "reported": 0}
     {"seq": 9, ..., "machine": "request", "id": "u0-t0", "event": "load_done", "from": "loading",
      "to": "running", "load": "complete"}
+    {"seq": 12, "t": 0.0021, "copy": "finished", "job": "7", "kind": "store", "src": 0,
+     "sum": "93c8...", "ok": true}                                  <- a data-plane record
     {"end": 40, "scopes": 1}                                   <- the final stop: records and scope lines
 
 ``id`` is the model's own name (job id, request id, slot key in hex, ``engine``); ``inst`` numbers model
@@ -18,8 +21,13 @@ when the transition fires (before the caller updates its counters): a job's kind
 and keys (first record only), its pending count, failure reports and rank masks (``launched``,
 ``reported``: bit r set for rank r); a slot's readers; the engine's ``has_pending_push_work()``; on a
 request leaving ``loading``, the state of its load job read from the job (``load``). ``seq`` counts
-from 0 without gaps; :meth:`TraceRecorder.stop` writes the end line. Format 2 (this one) added the rank
-masks, ``load`` and the end line; a version 1 trace is rejected (record it again). ``scope`` lines
+from 0 without gaps; :meth:`TraceRecorder.stop` writes the end line. Format 2 added the rank masks,
+``load`` and the end line; format 3 (this one) adds the data plane's copy records, written by
+:meth:`TraceRecorder.copy_event` when the copy backends' events (:mod:`kvfsm.data.events`) are connected to
+it (``TraceRecorder(..., data_plane=True)`` says so in the header): ``submitted`` with a checksum of the
+job's source bytes, ``finished`` with a checksum of its destination bytes, per backend (``src``, one per
+rank). Copy records share the ``seq`` count. A version 2 trace is still read (it has no copy records); a
+version 1 trace is rejected (record it again). ``scope`` lines
 separate independent systems recorded one after another
 (cross-model checks never mix scopes).
 
@@ -49,6 +57,10 @@ tables and reports every violation with its line number:
   ended, and the outcome it carries is that job's recorded final state, so a request runs as if loaded
   exactly when its load committed (a load whose final state was changed, or a request that saw another
   outcome, is rejected);
+- the data plane (format 3, header ``data_plane``): each copy finishes once, after its submission on the
+  same backend, and a successful one holds the bytes it was given (``finished`` checksum equals
+  ``submitted``); a store or load is acked only after as many of its copies finished, and commits only once
+  all W of its copies finished and succeeded (a commit recorded before its copy finished is rejected);
 - at the end of each scope (the next scope line, the end line, or the end of the file): every job is in
   a terminal state; every key of a store or promotion that completed was committed (``commit_write``,
   its slot readable) after it; no slot is left ``writing`` or ``reading``; an engine seen is
@@ -75,6 +87,7 @@ from kvfsm.machines.compiled import TracerHandle, add_tracer, remove_tracer
 from kvfsm.machines.loader import MACHINE_NAMES, MachineSpec, load_machine
 
 __all__ = [
+    "READABLE_VERSIONS",
     "TRACE_VERSION",
     "TraceError",
     "TraceRecorder",
@@ -86,7 +99,9 @@ __all__ = [
     "verify_trace_file",
 ]
 
-TRACE_VERSION = 2  # 2: seq from 0 without gaps, an end line, job rank masks, load outcomes
+TRACE_VERSION = 3  # 2: seq from 0 without gaps, an end line, job rank masks, load outcomes; 3: copy records
+#: Formats :func:`verify_trace` reads: a version 2 trace has no data-plane records (nothing to check there).
+READABLE_VERSIONS = (2, 3)
 _MAX_KEPT = 200  # violations kept in a report (all are counted)
 
 
@@ -123,7 +138,12 @@ class TraceRecorder:
     the ``t`` field (seconds since start); inject one to make traces reproducible.
     """
 
-    def __init__(self, sink: str | Path | TextIO, *, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, sink: str | Path | TextIO, *, clock: Callable[[], float] = time.perf_counter, data_plane: bool = False
+    ) -> None:
+        #: The data plane's copy events are connected to :meth:`copy_event` (the header says so, and the
+        #: verifier then holds every store and load to its copies).
+        self.data_plane = data_plane
         self._path = Path(sink) if isinstance(sink, str | Path) else None
         self._stream: TextIO | None = None if self._path is not None else sink  # type: ignore[assignment]
         self._clock = clock
@@ -140,6 +160,7 @@ class TraceRecorder:
         # request id -> its latest load job model (this scope), to read the load's outcome at load_done
         self._loads: dict[str, object] = {}
         self.records = 0
+        self.copies = 0
 
     # -- lifecycle --
 
@@ -157,6 +178,7 @@ class TraceRecorder:
             "kvfsm_trace": TRACE_VERSION,
             "spec": {name: spec_fingerprint(name) for name in MACHINE_NAMES},
             "clock": getattr(self._clock, "__name__", "clock"),
+            "data_plane": self.data_plane,
         }
         self._write(header)
         self._handle = add_tracer(self)
@@ -236,6 +258,30 @@ class TraceRecorder:
             if dest in self._terminal.get(machine, ()) or (machine == "slot" and dest == self._initial["slot"]):
                 del self._insts[key]  # a slot back to absent is a discarded object
 
+    def copy_event(
+        self, event: str, job_id: int, is_store: bool, source: int, checksum: str | None, ok: bool | None
+    ) -> None:
+        """One data-plane event (a :data:`kvfsm.data.events.CopyListener`): a copy ``submitted`` or
+        ``finished`` by backend ``source``, with the checksum of the bytes (source bytes at submission,
+        destination bytes once copied). Called on the submitting thread or on a copy thread."""
+        with self._lock:
+            if self._handle is None:
+                return  # not recording (before start or after stop)
+            rec: dict[str, Any] = {
+                "seq": self._seq,
+                "t": round(self._clock() - self._t0, 9),
+                "copy": event,
+                "job": str(job_id),
+                "kind": "store" if is_store else "load",
+                "src": source,
+                "sum": checksum,
+            }
+            if ok is not None:
+                rec["ok"] = ok
+            self._seq += 1
+            self._write(rec)
+            self.copies += 1
+
     @staticmethod
     def _extra(machine: str, model: object, rec: dict[str, Any], first: bool) -> None:
         get = getattr
@@ -275,6 +321,7 @@ class TraceViolation:
 @dataclass(slots=True)
 class TraceReport:
     records: int = 0
+    copies: int = 0  #: data-plane copy records
     models: Counter[str] = field(default_factory=Counter)
     transitions: Counter[str] = field(default_factory=Counter)
     scopes: int = 0
@@ -290,6 +337,7 @@ class TraceReport:
         return {
             "ok": self.ok,
             "records": self.records,
+            "copies": self.copies,
             "models": dict(self.models),
             "scopes": self.scopes,
             "violations": self.num_violations,
@@ -301,7 +349,8 @@ class TraceReport:
         models = ", ".join(f"{n} {m}s" for m, n in sorted(self.models.items()))
         head = (
             f"{self.records} transitions of {models or 'no models'}"
-            f"{f' in {self.scopes} scopes' if self.scopes > 1 else ''}: "
+            f"{f' in {self.scopes} scopes' if self.scopes > 1 else ''}"
+            f"{f', {self.copies} data-plane copy records' if self.copies else ''}: "
         )
         if self.ok:
             return head + "a valid behaviour of the spec"
@@ -329,6 +378,16 @@ class _Model:
     line: int = 0  # the model's latest record
     # slot
     readers: int = 0
+
+
+@dataclass(slots=True)
+class _Copies:
+    """One store or load job's copies as the data-plane records show them: per backend (``src``), the
+    checksum at submission, and the backends whose copy finished (and succeeded)."""
+
+    submitted: dict[int, str | None] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    succeeded: set[int] = field(default_factory=set)
 
 
 def read_trace(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
@@ -369,6 +428,8 @@ class _Verifier:
         self.owed: dict[tuple[int, str], list[int]] = {}  # (scope, key) -> completed writers' insts not committed
         self.last_load: dict[tuple[int, str], int] = {}  # (scope, request id) -> its latest load job inst
         self.version: object = None
+        self.data_plane = False  # the header says the data plane's copy events were recorded
+        self.copies: dict[tuple[int, str, str], _Copies] = {}  # (scope, kind, job id) -> its copies
         self.end_line = 0  # the recorder's end line, once seen
 
     def violation(self, line: int, rule: str, detail: str) -> None:
@@ -383,8 +444,9 @@ class _Verifier:
             self.violation(line, "format", "a header after the first record")
         self.header_seen = True
         self.version = obj.get("kvfsm_trace")
-        if obj.get("kvfsm_trace") != TRACE_VERSION:
-            self.violation(line, "format", f"trace version {obj.get('kvfsm_trace')!r}; expected {TRACE_VERSION}")
+        if self.version not in READABLE_VERSIONS:
+            self.violation(line, "format", f"trace version {self.version!r}; expected one of {list(READABLE_VERSIONS)}")
+        self.data_plane = obj.get("data_plane") is True
         spec = obj.get("spec")
         if isinstance(spec, dict):
             for name in MACHINE_NAMES:
@@ -408,6 +470,9 @@ class _Verifier:
         if "end" in obj and "seq" not in obj:
             self.end(line, obj)
             return
+        if "copy" in obj:
+            self.copy_record(line, obj)
+            return
         missing = [f for f in (*self._STR_FIELDS, "seq", "t", "inst") if f not in obj]
         if missing:
             self.violation(line, "format", f"missing field(s) {missing}")
@@ -417,15 +482,7 @@ class _Verifier:
             self.violation(line, "format", f"wrong field types in {obj!r}")
             return
         self.report.records += 1
-        seq, t = obj["seq"], float(obj["t"])
-        if self.last_seq is not None and seq <= self.last_seq:
-            self.violation(line, "format", f"seq {seq} after {self.last_seq}; expected increasing sequence numbers")
-        elif seq != (-1 if self.last_seq is None else self.last_seq) + 1:
-            want = 0 if self.last_seq is None else self.last_seq + 1
-            self.violation(line, "seq", f"seq {seq} where {want} was due: {seq - want} record(s) missing")
-        if self.last_t is not None and t < self.last_t:
-            self.violation(line, "format", f"time {t} after {self.last_t}; expected non-decreasing times")
-        self.last_seq, self.last_t = seq, t
+        self.sequence(line, obj)
         machine, event, src, dst = obj["machine"], obj["event"], obj["from"], obj["to"]
         spec = self.specs.get(machine)
         if spec is None:
@@ -468,6 +525,80 @@ class _Verifier:
         model.state = dst
         model.line = line
 
+    def sequence(self, line: int, obj: dict[str, Any]) -> None:
+        """``seq`` counts every record (transitions and copies) from 0 without gaps; ``t`` never decreases."""
+        seq, t = obj["seq"], float(obj["t"])
+        if self.last_seq is not None and seq <= self.last_seq:
+            self.violation(line, "format", f"seq {seq} after {self.last_seq}; expected increasing sequence numbers")
+        elif seq != (-1 if self.last_seq is None else self.last_seq) + 1:
+            want = 0 if self.last_seq is None else self.last_seq + 1
+            self.violation(line, "seq", f"seq {seq} where {want} was due: {seq - want} record(s) missing")
+        if self.last_t is not None and t < self.last_t:
+            self.violation(line, "format", f"time {t} after {self.last_t}; expected non-decreasing times")
+        self.last_seq, self.last_t = seq, t
+
+    def copy_record(self, line: int, obj: dict[str, Any]) -> None:
+        """A data-plane record: a copy ``submitted`` (with the source bytes' checksum) or ``finished`` (with
+        the destination bytes' checksum and ``ok``). A finished copy must have been submitted by the same
+        backend, once, and a successful one must hold the bytes it was given: the checksums agree."""
+        event, job, kind, source = obj.get("copy"), obj.get("job"), obj.get("kind"), obj.get("src")
+        digest = obj.get("sum")
+        if (
+            event not in ("submitted", "finished")
+            or not isinstance(job, str)
+            or kind not in ("store", "load")
+            or not _is_int(source)
+            or not (digest is None or isinstance(digest, str))
+            or not _is_int(obj.get("seq"))
+            or not isinstance(obj.get("t"), int | float)
+            or (event == "finished" and not isinstance(obj.get("ok"), bool))
+        ):
+            self.violation(line, "format", f"a malformed copy record {obj!r}")
+            return
+        self.report.copies += 1
+        self.sequence(line, obj)
+        copies = self.copies.setdefault((self.scope, kind, job), _Copies())
+        label = f"{kind} job {job}'s copy on backend {source}"
+        if event == "submitted":
+            if source in copies.submitted:
+                self.violation(line, "copy_sequence", f"{label} submitted twice")
+            copies.submitted[source] = digest
+            return
+        if source not in copies.submitted:
+            self.violation(line, "copy_sequence", f"{label} finished but was never submitted")
+        elif source in copies.finished:
+            self.violation(line, "copy_sequence", f"{label} finished twice")
+        copies.finished.add(source)
+        if obj["ok"]:
+            copies.succeeded.add(source)
+            if source in copies.submitted and digest != copies.submitted[source]:
+                self.violation(
+                    line,
+                    "copy_checksum",
+                    f"{label} finished holding bytes of checksum {digest}; it was submitted with "
+                    f"{copies.submitted[source]}",
+                )
+
+    def check_copies(self, line: int, m: _Model, label: str, event: str, src: str, dst: str) -> None:
+        """In a trace with the data plane's records, a store or load is reported only after as many of its
+        copies finished, and commits only once every one of its W copies finished and succeeded."""
+        if not self.data_plane or m.kind not in ("store", "load"):
+            return
+        copies = self.copies.get((m.scope, m.kind, m.id), _Copies())
+        # Only acks: a rank that could not even submit its copy reports a failure with no copy record.
+        if src == "in_flight" and event == "ack" and len(copies.finished) < m.reports + 1:
+            self.violation(
+                line,
+                "copy_before_commit",
+                f"{label}: report #{m.reports + 1} ({event}) with {len(copies.finished)} of its copies finished",
+            )
+        if dst == "complete" and m.world_size and len(copies.succeeded) < m.world_size:
+            self.violation(
+                line,
+                "copy_before_commit",
+                f"{label}: committed with {len(copies.succeeded)} of its W={m.world_size} copies finished",
+            )
+
     def end(self, line: int, obj: dict[str, Any]) -> None:
         """The recorder's final line: ``{"end": N, "scopes": S}`` after N records in S scope lines."""
         self.end_line = line
@@ -475,15 +606,14 @@ class _Verifier:
         if scopes != self.scope:
             self.violation(line, "end", f"end line says {scopes!r} scope lines; the trace holds {self.scope}")
         due = 0 if self.last_seq is None else self.last_seq + 1
-        if not _is_int(n) or n != due or n != self.report.records:
-            self.violation(
-                line, "seq", f"end line says {n!r} records; the trace holds {self.report.records} (next seq {due})"
-            )
+        held = self.report.records + self.report.copies
+        if not _is_int(n) or n != due or n != held:
+            self.violation(line, "seq", f"end line says {n!r} records; the trace holds {held} (next seq {due})")
         self.close_scope(line)
 
     def finish(self, line: int) -> None:
         if not self.end_line:
-            if self.version == TRACE_VERSION and self.report.records:
+            if self.version in READABLE_VERSIONS and self.report.records:
                 self.violation(line, "end", "the trace stops without the recorder's end line (truncated?)")
             self.close_scope(line)
 
@@ -595,7 +725,7 @@ class _Verifier:
                     f"{label}: pending={pending} but W={m.world_size} and {reported.bit_count()} rank(s) reported",
                 )
             m.launched, m.reported = launched, reported
-        elif self.version == TRACE_VERSION:
+        elif self.version in READABLE_VERSIONS:
             self.violation(line, "format", f"{label}: a job record without its rank masks (launched, reported)")
         if src == "in_flight" and event in ("ack", "fail"):
             closing = dst in self.specs["job"].terminal
@@ -614,6 +744,7 @@ class _Verifier:
 
     def check_job(self, line: int, m: _Model, obj: dict[str, Any], label: str, event: str, src: str, dst: str) -> None:
         pending, failed = obj.get("pending"), obj.get("failed")
+        self.check_copies(line, m, label, event, src, dst)
         self.check_ranks(line, m, obj, label, event, src, dst)
         if _is_int(pending):
             if m.pending is None and m.world_size and pending != m.world_size:
@@ -722,7 +853,7 @@ class _Verifier:
         job = self.models[inst]
         if job.state not in self.specs["job"].terminal:
             self.violation(line, "load_outcome", f"{label}: {event} while its load job {job.id} is {job.state}")
-        elif outcome is None and self.version == TRACE_VERSION:
+        elif outcome is None and self.version in READABLE_VERSIONS:
             self.violation(line, "load_outcome", f"{label}: {event} without the load's outcome")
         elif outcome is not None and outcome != job.state:
             self.violation(

@@ -27,7 +27,9 @@ Contents:
 * :mod:`kvfsm.testing.system`, :mod:`kvfsm.testing.engine` (torch) and :mod:`kvfsm.testing.control` (no
   torch): kvfsm's own whole-system machine, generated from spec/, over the reference engine with real
   copies and over the control plane alone. :mod:`kvfsm.testing.abstraction` projects their states and
-  the model checker's onto one coarse protocol state, to measure coverage.
+  the model checker's onto one coarse protocol state, to measure coverage;
+  :mod:`kvfsm.testing.paths` drives the real control plane along the model checker's paths, at its
+  granularity (a lookup, a step, one rank's report are separate events).
 * :mod:`kvfsm.testing.coverage`: :func:`covers` / :func:`spec_covered`, which fail a machine class whose
   rules do not drive every event of the spec, and :class:`TransitionLog`, which records what ran.
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kvfsm.check.bfs import explore
 from kvfsm.check.model import ABSENT, WRITING, Bounds, State
 from kvfsm.control.types import OffloadKey
 from kvfsm.machines.names import JobKind, JobState, RequestState, SlotState
@@ -35,6 +34,7 @@ __all__ = [
     "Coverage",
     "ProtocolState",
     "measure_coverage",
+    "project_machine",
     "project_model_state",
     "project_system",
     "reachable_projections",
@@ -99,28 +99,46 @@ def project_system(h: SystemHarness, request_ids: Iterable[str], keys: Iterable[
 #: checks they agree).
 PROFILES: dict[str, int] = {"ci": 60, "dev": 100, "nightly": 2000}
 #: How tests/test_stateful.py runs each machine: (stateful_step_count, scale of the profile's max_examples).
-CI_RUNS: dict[str, tuple[int, float]] = {"control": (50, 15.0), "engine": (40, 8.0)}
+#: "paths" is :class:`kvfsm.testing.paths.CheckerPathStateMachine` (the checker's paths on the real control
+#: plane, at the checker's granularity).
+CI_RUNS: dict[str, tuple[int, float]] = {"control": (50, 15.0), "engine": (40, 8.0), "paths": (40, 20.0)}
 
 
 def reachable_projections(bounds: Bounds | None = None) -> set[ProtocolState]:
     """The projections of every state the model checker reaches at ``bounds`` (default: the defaults)."""
-    result = explore(bounds, stop_at_first=False, keep_graph=True, check_liveness=False)
-    assert result.graph is not None
-    return {project_model_state(s) for s in result.graph.states}
+    from kvfsm.testing.paths import checker_graph
+
+    return {project_model_state(s) for s in checker_graph(bounds if bounds is not None else Bounds()).states}
+
+
+def project_machine(m: RuleBasedStateMachine) -> ProtocolState | None:
+    """The projection of the system a stateful machine drives (None before it is configured)."""
+    from kvfsm.testing.paths import CheckerPathStateMachine
+
+    if isinstance(m, SystemStateMachine):
+        if not m.configured:
+            return None
+        request_ids, keys = m.observed()
+        return project_system(m.h, request_ids, keys)
+    if isinstance(m, CheckerPathStateMachine):
+        # The implementation as the checker's abstraction reads it back, which the machine has just
+        # compared with the checker's state.
+        return project_model_state(m.current_state()) if m.configured else None
+    raise TypeError(f"no projection for {type(m).__name__}")
 
 
 def visited_projections(
-    machine: type[SystemStateMachine], max_examples: int, steps: int, seen: set[ProtocolState] | None = None
+    machine: type[RuleBasedStateMachine], max_examples: int, steps: int, seen: set[ProtocolState] | None = None
 ) -> set[ProtocolState]:
     """The projections of the system ``machine`` drives, recorded after every step (initialisation
     included) of a derandomized run of ``max_examples`` examples of at most ``steps`` steps."""
     out: set[ProtocolState] = set() if seen is None else seen
 
-    def check_invariants(self: SystemStateMachine, *args: Any, **kwargs: Any) -> None:
+    def check_invariants(self: RuleBasedStateMachine, *args: Any, **kwargs: Any) -> None:
         machine.check_invariants(self, *args, **kwargs)
-        if self.configured:
-            request_ids, keys = self.observed()
-            out.add(project_system(self.h, request_ids, keys))
+        state = project_machine(self)
+        if state is not None:
+            out.add(state)
 
     # Hypothesis checks the invariants after every step: a subclass that records there sees each state.
     recording = type(machine.__name__, (machine,), {"check_invariants": check_invariants})
@@ -162,8 +180,8 @@ class Coverage:
         return f"coverage: {self.percent:.1f}% of {len(self.reachable)} reachable abstract states"
 
 
-def machine_class(name: str) -> type[SystemStateMachine]:
-    """``"control"`` or ``"engine"`` (needs torch)."""
+def machine_class(name: str) -> type[RuleBasedStateMachine]:
+    """``"control"``, ``"engine"`` (needs torch) or ``"paths"``."""
     if name == "control":
         from kvfsm.testing.control import ControlPlaneStateMachine
 
@@ -172,7 +190,11 @@ def machine_class(name: str) -> type[SystemStateMachine]:
         from kvfsm.testing.engine import EngineStateMachine
 
         return EngineStateMachine
-    raise ValueError(f"unknown machine {name!r}; expected control or engine")
+    if name == "paths":
+        from kvfsm.testing.paths import CheckerPathStateMachine
+
+        return CheckerPathStateMachine
+    raise ValueError(f"unknown machine {name!r}; expected control, engine or paths")
 
 
 def measure_coverage(
@@ -190,5 +212,9 @@ def measure_coverage(
     for name in machines:
         default_steps, scale = CI_RUNS[name]
         n = examples if examples is not None else max(1, int(PROFILES[profile] * scale))
-        visited_projections(machine_class(name), n, steps if steps is not None else default_steps, visited)
+        machine = machine_class(name)
+        if name == "paths" and bounds is not None:
+            # The same class name (derandomized runs are seeded from it), walking the graph at ``bounds``.
+            machine = type(machine.__name__, (machine,), {"bounds": bounds})
+        visited_projections(machine, n, steps if steps is not None else default_steps, visited)
     return Coverage(frozenset(reachable), frozenset(visited))

@@ -110,7 +110,7 @@ class TagEngine(EngineLoop):
     def __init__(self, config: SystemConfig, clock: ManualClock) -> None:
         self.config = config
         self.tags = TagMemory(config.world_size, config.blocks_per_chunk)
-        manager, self.tier, self.hook = make_manager(config, clock, _SlotBytes(self.tags))
+        manager, self.tiers, self.hook = make_manager(config, clock, _SlotBytes(self.tags))
         offload = OffloadConfig(config.tokens_per_block, config.blocks_per_chunk, config.world_size)
         scheduler = OffloadingScheduler(offload, manager, deadlines=config.deadlines, clock=clock)
         self.backends = [HeldCopyBackend(partial(self.tags.copy, rank)) for rank in range(config.world_size)]
@@ -232,7 +232,7 @@ class ControlHarness(LoopHarness):
         self.clock = ManualClock()
         self.engine = TagEngine(config, self.clock)
         self.backends = self.engine.backends
-        self.tier = self.engine.tier
+        self.tiers = self.engine.tiers
         self.hook = self.engine.hook
 
     @override

@@ -73,7 +73,7 @@ class EngineHarness(LoopHarness):
         self.config = config
         self.clock = ManualClock()
         io = PoolsSlotIO()
-        manager, self.tier, self.hook = make_manager(config, self.clock, io)
+        manager, self.tiers, self.hook = make_manager(config, self.clock, io)
         engine_config = EngineConfig(
             num_layers=2,
             num_heads=4,
@@ -156,7 +156,8 @@ class EngineHarness(LoopHarness):
 
     @override
     def data_plane_problems(self) -> list[str]:
-        return [f"rank {rank}: {p}" for rank, b in enumerate(self.backends) for p in b.problems]
+        tiers = super().data_plane_problems()
+        return tiers + [f"rank {rank}: {p}" for rank, b in enumerate(self.backends) for p in b.problems]
 
     @override
     def close(self) -> None:

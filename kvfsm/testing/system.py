@@ -51,10 +51,10 @@ from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.deadlines import Deadlines, ManualClock
 from kvfsm.control.job import Job
-from kvfsm.control.manager import OffloadingManager
+from kvfsm.control.manager import OffloadingManager, TierJob
 from kvfsm.control.scheduler import OffloadingScheduler
 from kvfsm.control.tiering import TieringManager
-from kvfsm.control.types import OffloadKey, ReqContext, make_offload_key
+from kvfsm.control.types import LookupResult, OffloadKey, ReqContext, make_offload_key
 from kvfsm.engine.requests import EngineRequest
 from kvfsm.machines.loader import load_machine
 from kvfsm.machines.names import EngineState, JobKind, SlotState
@@ -64,6 +64,8 @@ from kvfsm.tiers.memory import InMemoryTier
 __all__ = [
     "GROUND_TRUTH_CHECKS",
     "SYSTEM_EXEMPT",
+    "TIER_TRAFFIC",
+    "CheckedInMemoryTier",
     "CompletionHook",
     "CountingCPUManager",
     "CountingTieringManager",
@@ -83,13 +85,18 @@ SYSTEM_EXEMPT: dict[str, str] = {
 }
 
 #: Checks of the data-plane ground truth made while real work remained, per machine class and kind of work
-#: (this process): "copy running" (a copy thread not finished), "copy unpolled" (finished, not reported),
+#: (this process): "copy running" (a copy thread not finished), "copy held" (submitted to a held backend,
+#: not run yet: :class:`kvfsm.testing.paths.CheckerPathStateMachine`), "copy unpolled" (finished, not reported),
 #: "tier job" (held by the tier), "any" (at least one of them), "given up" (work the spec gives up on: a
 #: stale or timed-out copy still unreported; not asserted, see :meth:`SystemStateMachine.data_plane_work`),
 #: "quarantined copy" (a timed-out job's copy not reported yet: the part of "given up" that issue 10 item 6
 #: turns into pending work).
 #: tests/conftest.py prints it at the end of the run.
 GROUND_TRUTH_CHECKS: Counter[tuple[str, str]] = Counter()
+
+#: Jobs submitted to each secondary tier of the machines (this process): (tier name, "cascade" or
+#: "promotion") -> count; tests/test_stateful.py checks that both tiers get both kinds.
+TIER_TRAFFIC: Counter[tuple[str, str]] = Counter()
 
 _MAX_DRAIN_STEPS = 200
 _JOB_TERMINAL = load_machine("job").terminal
@@ -103,11 +110,16 @@ class SystemConfig:
     blocks_per_chunk: int = 1
     num_gpu_blocks: int = 8
     num_cpu_slots: int = 4
-    #: Capacity of the one secondary tier, or None for the CPU manager alone.
+    #: Capacity of the first secondary tier, or None for the CPU manager alone.
     tier_capacity: int | None = None
+    #: Capacity of a second secondary tier behind the first (every commit cascades to both; a lookup
+    #: promotes from the first that holds the key), or None for one tier. Only with a first tier.
+    second_tier_capacity: int | None = None
     max_num_batched_tokens: int = 64
     tokens_per_block: int = 4
-    #: Deadline of every job kind in (manual) clock seconds, or None for no deadlines.
+    #: Deadline of stores and cascades in (manual) clock seconds, or None for no deadlines; loads and
+    #: promotions get a sixth of it (a request waits on them), so deadlines do not expire in the order
+    #: they were set.
     job_deadline_s: float | None = None
     #: False: the GPU prefix cache is emptied before every step, so every offloaded prefix is loaded back
     #: (as in the model checker, which has no GPU prefix cache).
@@ -116,8 +128,9 @@ class SystemConfig:
     @property
     def deadlines(self) -> Deadlines:
         d = self.job_deadline_s
+        short = None if d is None else d / 6
         # Only the job deadlines drawn here: the manual clock may jump past any default lookup wait.
-        return dataclasses.replace(Deadlines.none(), store_s=d, load_s=d, cascade_s=d, promote_s=d)
+        return dataclasses.replace(Deadlines.none(), store_s=d, load_s=short, cascade_s=d, promote_s=short)
 
 
 class CompletionHook:
@@ -169,18 +182,56 @@ class CountingTieringManager(TieringManager):
         super().complete_load(keys, ctx)
 
 
+class CheckedInMemoryTier(InMemoryTier):
+    """The in-memory tier, checking on its side of the seam that it is asked to promote only keys it
+    answered HIT for: a tiering manager that serves a promotion from the wrong tier (one that missed, or was
+    never asked) is caught when it submits the job, whatever bytes the tiers hold."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hits: set[OffloadKey] = set()
+        #: What was wrong, in order (read by :meth:`SystemHarness.data_plane_problems`).
+        self.problems: list[str] = []
+
+    @override
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        answer = super().lookup(key, ctx)
+        if answer is LookupResult.HIT:
+            self._hits.add(key)
+        return answer
+
+    @override
+    def submit_load(self, job: TierJob) -> None:
+        missed = [k.hex()[:12] for k in job.keys if k not in self._hits]
+        if missed:
+            self.problems.append(
+                f"tier {self.name!r} was asked to promote keys {missed} (promotion job {job.job_id}) "
+                "that it never answered HIT for: the promotion is served by the wrong tier"
+            )
+        self._hits.difference_update(job.keys)
+        TIER_TRAFFIC[(self.name, "promotion")] += 1
+        super().submit_load(job)
+
+    @override
+    def submit_store(self, job: TierJob) -> None:
+        TIER_TRAFFIC[(self.name, "cascade")] += 1
+        super().submit_store(job)
+
+
 def make_manager(
     config: SystemConfig, clock: ManualClock, slot_io: Any = None
-) -> tuple[CountingCPUManager | CountingTieringManager, InMemoryTier | None, CompletionHook]:
-    """The manager for ``config`` (CPU alone, or CPU in front of one InMemoryTier over ``slot_io``)."""
+) -> tuple[CountingCPUManager | CountingTieringManager, tuple[CheckedInMemoryTier, ...], CompletionHook]:
+    """The manager for ``config`` (CPU alone, or CPU in front of one or two InMemoryTiers over ``slot_io``)."""
     if config.tier_capacity is None:
         cpu = CountingCPUManager(config.num_cpu_slots)
-        return cpu, None, cpu.hook
-    tier = InMemoryTier("mem", config.tier_capacity, slot_io=slot_io)
+        return cpu, (), cpu.hook
+    tiers = [CheckedInMemoryTier("mem", config.tier_capacity, slot_io=slot_io)]
+    if config.second_tier_capacity is not None:
+        tiers.append(CheckedInMemoryTier("mem2", config.second_tier_capacity, slot_io=slot_io))
     tiering = CountingTieringManager(
-        CPUOffloadingManager(config.num_cpu_slots), [tier], deadlines=config.deadlines, clock=clock
+        CPUOffloadingManager(config.num_cpu_slots), tiers, deadlines=config.deadlines, clock=clock
     )
-    return tiering, tier, tiering.hook
+    return tiering, tuple(tiers), tiering.hook
 
 
 class SystemHarness(ABC):
@@ -188,8 +239,20 @@ class SystemHarness(ABC):
 
     config: SystemConfig
     clock: ManualClock
-    tier: InMemoryTier | None
+    #: The secondary tiers, in the tiering manager's order (empty: the CPU manager alone).
+    tiers: tuple[CheckedInMemoryTier, ...]
     hook: CompletionHook
+
+    def tier_of(self, job_id: int) -> CheckedInMemoryTier:
+        """The tier holding tier job ``job_id`` (submitted, or finished and not yet reported)."""
+        for tier in self.tiers:
+            if job_id in tier.pending_job_ids():
+                return tier
+        raise AssertionError(f"no tier holds tier job {job_id}")
+
+    def tier_job_ids(self) -> list[int]:
+        """Every tier job some tier holds, sorted."""
+        return sorted(j for tier in self.tiers for j in tier.pending_job_ids())
 
     # -- the parts --
 
@@ -264,8 +327,8 @@ class SystemHarness(ABC):
 
     def data_plane_problems(self) -> list[str]:
         """What the data plane's report-time checks found (a job reported finished whose destination does not
-        hold the copied bytes); empty where there are none."""
-        return []
+        hold the copied bytes; a tier asked to promote a key it did not hit); empty where there are none."""
+        return [p for tier in self.tiers for p in tier.problems]
 
     @abstractmethod
     def unlaunched_store_ids(self, rank: int) -> tuple[int, ...]: ...
@@ -333,6 +396,9 @@ class SystemStateMachine(RuleBasedStateMachine):
     min_cpu_slots_with_tier: ClassVar[int] = 4
     #: Secondary tier capacities to choose from; None means no tier (the CPU manager alone).
     tier_choices: ClassVar[tuple[int | None, ...]] = (None, 3)
+    #: With a tier, capacities of a second one behind it; None means one tier. Larger than the first, so
+    #: keys the first evicted are promoted from the second.
+    second_tier_choices: ClassVar[tuple[int | None, ...]] = (None, 6)
     #: Job deadlines (manual clock seconds) to choose from; None means none.
     deadline_choices: ClassVar[tuple[float | None, ...]] = (None, None, 3.0)
     max_live_requests: ClassVar[int] = 3
@@ -359,6 +425,9 @@ class SystemStateMachine(RuleBasedStateMachine):
         self._last_admin: dict[str, int] = {}
         self._violations: list[str] = []
         self._jobs: dict[tuple[str, int], Job] = {}
+        #: When each job was first seen (no earlier than the clock time it was created at, so a deadline
+        #: reckoned from it is never earlier than the real one).
+        self._born: dict[tuple[str, int], float] = {}
         self._terminated: set[tuple[str, int]] = set()
         self._awaiting_completion: list[Job] = []
         self._chunk_cache: dict[str, tuple[int, dict[OffloadKey, tuple[bytes, ...]]]] = {}
@@ -391,6 +460,7 @@ class SystemStateMachine(RuleBasedStateMachine):
         self._h = self.make_harness(self._config)
         self._h.hook.callback = self._on_complete
         self._jobs.clear()
+        self._born.clear()
         self._terminated.clear()
         self._awaiting_completion.clear()
         self._chunk_cache.clear()
@@ -405,6 +475,7 @@ class SystemStateMachine(RuleBasedStateMachine):
         known = self._jobs.get(key)
         if known is None:
             self._jobs[key] = job
+            self._born[key] = self.h.clock()
         elif known is not job:
             self._violations.append(f"job id {key} reused by a new job ({job!r} after {known!r})")
 
@@ -441,8 +512,7 @@ class SystemStateMachine(RuleBasedStateMachine):
         return sorted({job_id for job_id, _ in self.h.held_copies()})
 
     def _tier_jobs(self) -> list[int]:
-        tier = self.h.tier
-        return [] if tier is None else sorted(tier.pending_job_ids())
+        return self.h.tier_job_ids()
 
     def _chunks(self) -> dict[OffloadKey, tuple[bytes, ...]]:
         """Every chunk key any request has produced -> the block hashes it covers."""
@@ -466,8 +536,20 @@ class SystemStateMachine(RuleBasedStateMachine):
         return any(not self.h.is_admitted(r.req_id) for r in self._requests)
 
     def _after_step(self, outcome: tuple[EngineState, bool] | None) -> None:
-        for job in self.h.scheduler.jobs().values():
+        s = self.h.scheduler
+        now = self.h.clock()
+        deadlines = self.h.config.deadlines
+        for job in s.jobs().values():
             self._register(job)
+            # A step times out every job past its deadline (build_connector_meta), whatever order the
+            # deadlines were set in.
+            limit = deadlines.for_kind(job.kind)
+            born = self._born[(self._namespace(job), job.job_id)]
+            if limit is not None and not job.is_terminal and born + limit <= now:
+                self._violations.append(
+                    f"{job.kind.value} job {job.job_id} outlived its deadline: seen at t={born}, deadline "
+                    f"{limit}s, still {job.state.value} after a step at t={now}"
+                )
         if outcome is not None and outcome[0] is EngineState.IDLE and outcome[1]:
             self._violations.append("a step ended idle with has_pending_push_work() True")
 
@@ -489,6 +571,7 @@ class SystemStateMachine(RuleBasedStateMachine):
     def configure(self, data: st.DataObject) -> None:
         """Draw the configuration (world size, chunk size, pools, tier, token budget, deadlines)."""
         tier = data.draw(st.sampled_from(self.tier_choices), label="tier_capacity")
+        second = None if tier is None else data.draw(st.sampled_from(self.second_tier_choices), label="second_tier")
         lo, hi = self.cpu_slots
         if tier is not None:
             lo, hi = max(lo, self.min_cpu_slots_with_tier), max(hi, self.min_cpu_slots_with_tier)
@@ -498,6 +581,7 @@ class SystemStateMachine(RuleBasedStateMachine):
             num_gpu_blocks=data.draw(st.integers(*self.gpu_blocks), label="num_gpu_blocks"),
             num_cpu_slots=data.draw(st.integers(lo, hi), label="num_cpu_slots"),
             tier_capacity=tier,
+            second_tier_capacity=second,
             max_num_batched_tokens=data.draw(st.sampled_from((6, 64)), label="max_num_batched_tokens"),
             job_deadline_s=data.draw(st.sampled_from(self.deadline_choices), label="job_deadline_s"),
             gpu_prefix_cache=data.draw(st.booleans(), label="gpu_prefix_cache"),
@@ -595,9 +679,7 @@ class SystemStateMachine(RuleBasedStateMachine):
     def complete_tier_job(self, data: st.DataObject) -> None:
         """A cascade or promotion finishes in the secondary tier (applied at the next poll)."""
         job_id = data.draw(st.sampled_from(self._tier_jobs()), label="tier job")
-        tier = self.h.tier
-        assert tier is not None
-        tier.complete(job_id)
+        self.h.tier_of(job_id).complete(job_id)
 
     @covers("job.fail")
     @precondition(lambda self: bool(self._tier_jobs()))
@@ -605,9 +687,7 @@ class SystemStateMachine(RuleBasedStateMachine):
     def fail_tier_job(self, data: st.DataObject) -> None:
         """A cascade or promotion fails in the secondary tier."""
         job_id = data.draw(st.sampled_from(self._tier_jobs()), label="tier job")
-        tier = self.h.tier
-        assert tier is not None
-        tier.complete(job_id, success=False)
+        self.h.tier_of(job_id).complete(job_id, success=False)
 
     @covers("request.finish")
     @precondition(lambda self: bool(self.h.live_request_ids()))
@@ -641,6 +721,42 @@ class SystemStateMachine(RuleBasedStateMachine):
         """Time passes: jobs past their deadline time out at the next step (and tier transfers at its poll)."""
         self.h.clock.advance(seconds)
 
+    @covers("job.time_out")
+    @precondition(lambda self: self._next_deadline(None) is not None)
+    @rule(transfers=st.booleans())
+    def advance_to_next_deadline(self, transfers: bool) -> None:
+        """Time passes exactly to the earliest deadline of a live job or tier transfer (the boundary: one whose
+        deadline is now times out at the next step), whatever order the deadlines were set in."""
+        due = self._next_deadline(transfers)
+        if due is None:
+            due = self._next_deadline(not transfers)
+        assert due is not None
+        self.h.clock.advance(due - self.h.clock())
+
+    def _next_deadline(self, transfers: bool | None) -> float | None:
+        """The earliest deadline, later than now, of a job the scheduler awaits (``transfers`` False), of a
+        tier transfer in flight (True), or of either (None); None if there is none."""
+        h = self.h
+        deadlines = h.config.deadlines
+        if not deadlines.any_job_deadline:
+            return None
+        now = h.clock()
+        live: list[Job] = [] if transfers else list(h.scheduler.jobs().values())
+        if transfers is not False:
+            live += [
+                job
+                for j in h.tier_job_ids()
+                if h.manager.transfer_in_flight(j) and (job := self._jobs.get(("tier", j))) is not None
+            ]
+        due = [
+            self._born[key] + limit
+            for job in live
+            if (limit := deadlines.for_kind(job.kind)) is not None
+            and (key := (self._namespace(job), job.job_id)) in self._born
+            and self._born[key] + limit > now
+        ]
+        return min(due) if due else None
+
     def _anything_in_flight(self) -> bool:
         return bool(self.h.scheduler.num_jobs or self._tier_jobs())
 
@@ -659,8 +775,8 @@ class SystemStateMachine(RuleBasedStateMachine):
                 break
             for job_id, rank in h.held_copies():
                 h.complete_copy(job_id, rank, ok=True)
-            if h.tier is not None:
-                h.tier.complete_all()
+            for tier in h.tiers:
+                tier.complete_all()
             self._after_step(self._engine_step())
             self._check_now()
         else:
@@ -720,9 +836,8 @@ class SystemStateMachine(RuleBasedStateMachine):
             pending.extend(f"un-launched store {j} on rank {rank}" for j in h.unlaunched_store_ids(rank) if live(j))
         pending.extend(f"{j!r} not terminal" for j in self._jobs.values() if not j.is_terminal)
         manager = h.manager
-        if h.tier is not None:
-            # A timed-out transfer is given up on (quarantined), by the spec no longer pending.
-            pending.extend(f"tier job {j} pending" for j in h.tier.pending_job_ids() if manager.transfer_in_flight(j))
+        # A timed-out transfer is given up on (quarantined), by the spec no longer pending.
+        pending.extend(f"tier job {j} pending" for j in h.tier_job_ids() if manager.transfer_in_flight(j))
         if manager.num_transfer_jobs:
             pending.append(f"{manager.num_transfer_jobs} tier transfers not applied")
         if pending and h.state is not EngineState.STOPPED:
@@ -755,9 +870,9 @@ class SystemStateMachine(RuleBasedStateMachine):
         for job in h.scheduler.jobs().values():
             want = SlotState.WRITING if job.kind is JobKind.STORE else SlotState.READING
             owners.append((f"{job.kind.value} job {job.job_id}", job.keys, job.slots.slot_ids, want))
-        if h.tier is not None:
-            for tj_id in h.tier.pending_job_ids():
-                tj = h.tier.pending_job(tj_id)
+        for tier in h.tiers:
+            for tj_id in tier.pending_job_ids():
+                tj = tier.pending_job(tj_id)
                 want = SlotState.WRITING if tj.is_promotion else SlotState.READING
                 what = "promotion" if tj.is_promotion else "cascade"
                 if not h.manager.transfer_in_flight(tj_id):
@@ -820,8 +935,8 @@ class SystemStateMachine(RuleBasedStateMachine):
             if s.is_quarantined(job_id):
                 kinds.add("quarantined copy")
             work.append(f"copy of job {job_id} (running on ranks {sorted(run)}, unpolled on {sorted(ranks - run)})")
-        if h.tier is not None:
-            for job_id in h.tier.pending_job_ids():
+        for tier in h.tiers:
+            for job_id in tier.pending_job_ids():
                 # In flight or timed out and quarantined: either way the tier still holds the slot's bytes.
                 kinds.add("tier job")
                 work.append(f"tier job {job_id} held by the tier")
@@ -881,7 +996,7 @@ class SystemStateMachine(RuleBasedStateMachine):
         failed = sys.exc_info()[1] is not None  # teardown runs in a finally: is the example failing?
         try:
             if h.state is not EngineState.STOPPED and not failed:
-                if h.tier is not None:
+                if h.tiers:
                     self._drain_to_idle()
                 h.shutdown(None)
         except Exception:

@@ -54,7 +54,8 @@ import torch
 from typing_extensions import override
 
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
-from kvfsm.data.backend import CopyStatsMixin, CopyTally
+from kvfsm.data import events
+from kvfsm.data.backend import CopyStatsMixin, CopyTally, job_side_bytes
 from kvfsm.data.calibration import CalibrationTable, Choice, Measure, cached_table, calibrate, grid
 from kvfsm.data.cuda.device import (
     CUDA_COPY_PATHS,
@@ -138,6 +139,8 @@ class _Job:
     event: Any = None
     error: BaseException | None = None
     done: bool = False
+    #: The job's blocks and slots while the data-plane events are listened to (its bytes are read at the end).
+    sides: tuple[GPUBlockSpec, SlotSpec] | None = None
 
 
 class CudaCopyBackend(CopyStatsMixin):
@@ -180,6 +183,8 @@ class CudaCopyBackend(CopyStatsMixin):
         self.registration = reg
         self.kv_caches = reg.kv_caches
         self.pool = pool
+        #: This backend's number in the data-plane events (:mod:`kvfsm.data.events`).
+        self.copy_source = events.next_source()
         self.blocks_per_chunk = reg.blocks_per_chunk
         self.num_blocks = reg.num_blocks
         self.device = reg.device
@@ -251,6 +256,11 @@ class CudaCopyBackend(CopyStatsMixin):
         self.check(is_store, gpu, slots)
         future: Future[None] = Future()
         job = _Job(job_id, is_store, future, len(gpu.block_ids) * self.pool.nbytes_per_slot // self.blocks_per_chunk)
+        if events.listening():
+            # The source bytes as the copy is queued (tracing only; reading the device waits for its stream).
+            job.sides = (gpu, slots)
+            digest = events.checksum(job_side_bytes(self.kv_caches, self.pool, is_store, gpu, slots, source=True))
+            events.emit_copy("submitted", job_id, is_store, self.copy_source, digest, None)
         self._inflight[job_id] = job
         try:
             plan = self.registration.plan(is_store, gpu, slots)
@@ -306,6 +316,15 @@ class CudaCopyBackend(CopyStatsMixin):
             return
         job.done = True
         self._seq_events.pop(job.seq, None)
+        if job.sides is not None and events.listening():
+            # Observed finished (its event done, or synchronized): the destination bytes, before any report.
+            gpu, slots = job.sides
+            digest = None
+            if job.error is None:
+                digest = events.checksum(
+                    job_side_bytes(self.kv_caches, self.pool, job.is_store, gpu, slots, source=False)
+                )
+            events.emit_copy("finished", job.job_id, job.is_store, self.copy_source, digest, job.error is None)
         if job.error is not None:
             self._tally.failed()
         else:
