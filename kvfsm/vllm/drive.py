@@ -33,6 +33,7 @@ def import_scheduler() -> None:
     """
     import vllm.v1.core.sched.scheduler  # noqa: F401
 
+
 _OPT_125M = {
     "architectures": ["OPTForCausalLM"],
     "model_type": "opt",
