@@ -30,7 +30,7 @@ from kvfsm.control.types import (
 )
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.machines import slot_machine
-from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.compiled import SpecMachine, tracing
 from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 from kvfsm.validation import is_int
 
@@ -426,14 +426,17 @@ class CPUOffloadingManager(OffloadingManager):
         self, access: RequestAccess, keys: Iterable[OffloadKey], reused: Iterable[OffloadKey] = ()
     ) -> None:
         seen, groups = access.seen, access.key_groups
-        new_keys: list[OffloadKey] = []
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
-            groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
-            new_keys.append(key)
+        new_keys = [key for key in dict.fromkeys(keys) if key not in seen]
         if new_keys:
+            seen.update(new_keys)
+            # A request's keys mostly share their group (the key's last 4 bytes): one dict probe per run.
+            tail: bytes | None = None
+            members: list[OffloadKey] = []
+            for key in new_keys:
+                if key[-4:] != tail:
+                    tail = key[-4:]
+                    members = groups.setdefault(int.from_bytes(tail, "big"), [])
+                members.append(key)
             self._policy.on_request_access(new_keys, access)
         inserted = access.inserted
         # Re-reading a key this request stored is an internal transfer (a cascade), not a reuse.
@@ -538,7 +541,10 @@ class CPUOffloadingManager(OffloadingManager):
         """
         slots = self._slots
         writing = [slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is _WRITING]
-        writing.sort(key=_by_seq)
+        if self.enable_events or not self._policy.request_scoped or tracing():
+            # The order is seen (events, a commit-order policy's insertions, tracers): reservation order.
+            # A request-scoped policy marks the batch ready as a set, so it needs none.
+            writing.sort(key=_by_seq)
         self._finish_writes(writing, success, promotion=False)
 
     @override
@@ -628,10 +634,10 @@ class CPUOffloadingManager(OffloadingManager):
             groups = self._machine.fire_many(cast("list[Slot]", pinned), SlotEvent.BEGIN_READ, distinct=True)
         except InvalidTransition:
             return self._prepare_read_each(keys)  # raises KeyNotReadyError for the first unreadable key
-        for source, _dest, _effect, members in groups:
+        for source, dest, _effect, members in groups:
             for slot in members:
                 slot.readers += 1
-            if is_evictable(source):
+            if is_evictable(source) and not is_evictable(dest):
                 # 0 -> 1 reader: eviction must not take them until the last reader is done.
                 self._policy.mark_non_evictable_many(keys if members is pinned else [slot.key for slot in members])
                 self._num_ready -= len(members)

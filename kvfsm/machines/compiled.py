@@ -51,6 +51,7 @@ __all__ = [
     "evaluate_transitions",
     "remove_tracer",
     "set_tracer",
+    "tracing",
 ]
 
 S = TypeVar("S", bound=StrEnum)
@@ -129,6 +130,11 @@ def set_tracer(tracer: TransitionTracer | None) -> TransitionTracer | None:
         _tracers[_LEGACY.id] = tracer
     _rebuild_dispatch()
     return previous
+
+
+def tracing() -> bool:
+    """Whether any transition tracer is installed (a caller may then keep an order it could skip)."""
+    return _tracer is not None
 
 
 def checked_mode_default() -> bool:
