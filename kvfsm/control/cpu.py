@@ -347,6 +347,11 @@ class CPUOffloadingManager(OffloadingManager):
         manager was built (vLLM's allocation-size histogram; failed attempts included). Read-only."""
         return MappingProxyType(self._allocation_sizes)
 
+    @property
+    def stores_skipped(self) -> int:
+        """New keys the admission filter turned away so far (O(1), unlike :meth:`stats`)."""
+        return self._stats.stores_skipped
+
     def stats(self) -> CPUStats:
         """The counters (live requests' lookups included, O(their looked-up keys)) and the slots now."""
         counts = asdict(self._stats)
