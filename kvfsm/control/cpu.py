@@ -38,7 +38,8 @@ __all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
 _READABLE = (SlotState.READY, SlotState.READING)
-_WRITING = SlotState.WRITING
+# Enum members read through their class cost a descriptor call each (Python 3.11): the hot paths use these.
+_WRITING, _READY = SlotState.WRITING, SlotState.READY
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 _by_seq = attrgetter("seq")
 
@@ -50,7 +51,7 @@ def is_evictable(state: SlotState) -> bool:
     marked non-evictable, one entering it evictable); the model checker (kvfsm.check) asks the same
     function, so a bug planted here is seen by both.
     """
-    return state is SlotState.READY
+    return state is _READY
 
 
 @dataclass(slots=True)
@@ -187,7 +188,7 @@ class Slot(SlotModel):
 
     @property
     def ref_cnt(self) -> int:
-        if self.state is SlotState.WRITING:
+        if self.state is _WRITING:
             return -1
         return self.readers
 
@@ -486,7 +487,7 @@ class CPUOffloadingManager(OffloadingManager):
             slot = slots.get(key)
             if slot is None:
                 new_keys.append(key)
-            elif slot.state is not SlotState.WRITING:
+            elif slot.state is not _WRITING:
                 ready_held.append(key)
         counts = self._counts
         if counts is not None:
