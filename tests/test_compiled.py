@@ -455,3 +455,110 @@ def test_terminal_states_accept_no_event(name: str) -> None:
             with pytest.raises(InvalidTransition):
                 sm.fire(model, event)
             assert model.state == terminal
+
+
+# --------------------------------------------------------------------------------------------------
+# fire_many: the batched path equals firing each model alone
+
+
+def _single_outcomes(
+    sm: SpecMachine[Any, Any, Any], models: list[ValuationModel], event: Any
+) -> list[tuple[Any, Any, Any] | None]:
+    """What ``fire`` does to a copy of each model alone: (source, dest, effect), or None if it raises."""
+    out: list[tuple[Any, Any, Any] | None] = []
+    for model in models:
+        copy = ValuationModel(model.state, dict(model.valuation))
+        try:
+            effect = sm.fire(copy, event)
+        except InvalidTransition:
+            assert copy.state is model.state
+            out.append(None)
+        else:
+            out.append((model.state, copy.state, effect))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["compiled", "checked", "traced"])
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_fire_many_equals_fire_on_each_model(name: str, mode: str) -> None:
+    """Random batches (mixed states, random guard valuations, every event): fire_many takes each model's
+    row exactly as fire would, groups by row in the order given, tells tracers in that order, and when
+    any model cannot fire it raises InvalidTransition and leaves every model as it was."""
+    spec = load_machine(name)
+    sm = _valuation_machine(name, checked=mode == "checked")
+    state_enum, event_enum, _ = ENUMS[name]
+    guards = sorted(spec.guards)
+    rng = random.Random(f"fire_many/{name}/{mode}")
+    raised = fired = 0
+    for _ in range(400):
+        event = rng.choice(list(event_enum))
+        # Mostly one state (the fast path), sometimes a mix.
+        states = [rng.choice(list(state_enum))] if rng.random() < 0.5 else list(state_enum)
+        models = [
+            ValuationModel(rng.choice(states), {g: rng.random() < 0.5 for g in guards})
+            for _ in range(rng.randint(1, 12))
+        ]
+        expected = _single_outcomes(sm, models, event)
+        before = [m.state for m in models]
+        traced: list[tuple[str, object, str, str, str]] = []
+        handle = kvfsm.machines.compiled.add_tracer(lambda *t, log=traced: log.append(t)) if mode == "traced" else None
+        try:
+            if None in expected:
+                with pytest.raises(InvalidTransition) as info:
+                    sm.fire_many(models, event)
+                assert [m.state for m in models] == before, "a failed batch changes nothing"
+                assert traced == []
+                assert info.value.machine == name and info.value.event == event.value
+                assert info.value.state in {str(s) for s, e in zip(before, expected, strict=True) if e is None}
+                raised += 1
+                continue
+            groups = sm.fire_many(models, event)
+        finally:
+            if handle is not None:
+                kvfsm.machines.compiled.remove_tracer(handle)
+        fired += 1
+        seen: list[int] = []
+        for source, dest, effect, members in groups:
+            assert members, "no empty groups"
+            for model in members:
+                i = next(j for j, m in enumerate(models) if m is model)
+                assert expected[i] == (source, dest, effect)
+                assert model.state is dest
+                seen.append(i)
+            positions = [next(j for j, m in enumerate(models) if m is model) for model in members]
+            assert positions == sorted(positions), "a group keeps the order given"
+        assert sorted(seen) == list(range(len(models))), "every model is in exactly one group"
+        if mode == "traced":
+            assert traced == [
+                (name, model, event.value, str(out[0]), str(out[1]))
+                for model, out in zip(models, expected, strict=True)
+                if out is not None
+            ]
+    assert raised > 20 and fired > 20, (raised, fired)
+
+
+def test_fire_many_of_nothing_and_a_model_listed_twice() -> None:
+    sm = slot_machine()
+    assert sm.fire_many([], SlotEvent.BEGIN_WRITE) == []
+    a, b = SlotModel(), SlotModel()
+    with pytest.raises(InvalidTransition, match="listed twice"):
+        sm.fire_many([a, b, a], SlotEvent.BEGIN_WRITE)
+    assert (a.state, b.state) == (SlotState.ABSENT, SlotState.ABSENT)
+    groups = sm.fire_many([a, b], SlotEvent.BEGIN_WRITE)
+    assert groups == [(SlotState.ABSENT, SlotState.WRITING, None, [a, b])]
+
+
+def test_fire_many_evaluates_the_real_guards_per_model() -> None:
+    """end_read over slots with one and with two readers: the spec's two guarded rows split the batch."""
+    sm = slot_machine()
+    one, two, other = (SlotModel(SlotState.READING, n) for n in (1, 2, 1))
+    groups = sm.fire_many([one, two, other], SlotEvent.END_READ)
+    assert sorted((str(d), [m.readers for m in ms]) for _s, d, _e, ms in groups) == [
+        ("reading", [2]),
+        ("ready", [1, 1]),
+    ]
+    assert (one.state, two.state, other.state) == (SlotState.READY, SlotState.READING, SlotState.READY)
+    stuck = SlotModel(SlotState.READING, 0)  # no guard holds with no reader
+    with pytest.raises(InvalidTransition, match="no guard held"):
+        sm.fire_many([two, stuck], SlotEvent.END_READ)
+    assert (two.state, stuck.state) == (SlotState.READING, SlotState.READING)

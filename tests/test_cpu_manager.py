@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator
 
 import pytest
 
-import kvfsm.control.cpu as cpu_mod
 from kvfsm.control.cpu import CPUOffloadingManager, Slot
 from kvfsm.control.policies import RequestARCPolicy
 from kvfsm.control.types import (
@@ -24,7 +23,7 @@ from kvfsm.control.types import (
 )
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.machines import slot_machine
-from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.compiled import SpecMachine, add_tracer, remove_tracer
 from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 
 CTX = ReqContext("r1")
@@ -75,24 +74,25 @@ def check_counts(m: CPUOffloadingManager, universe: Iterable[int]) -> None:
 
 
 class RecordingMachine:
-    """Wraps the slot machine; logs every fire as (key, before, event, after)."""
+    """A transition tracer on the real slot machine; logs every slot transition as (key, before, event, after)."""
 
     def __init__(self, inner: SpecMachine[SlotState, SlotEvent, SlotEffect]) -> None:
         self.inner = inner
         self.log: list[tuple[OffloadKey, SlotState, SlotEvent, SlotState]] = []
 
-    def fire(self, model: Slot, event: SlotEvent, arg: int = 0) -> SlotEffect | None:
-        before = model.state
-        effect = self.inner.fire(model, event, arg)
-        self.log.append((model.key, before, event, model.state))
-        return effect
+    def __call__(self, machine: str, model: object, event: str, source: str, dest: str) -> None:
+        if machine == "slot" and isinstance(model, Slot):
+            self.log.append((model.key, SlotState(source), SlotEvent(event), SlotState(dest)))
 
 
 @pytest.fixture
-def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingMachine]:
+def recorder() -> Iterator[RecordingMachine]:
     rec = RecordingMachine(slot_machine(True))
-    monkeypatch.setattr(cpu_mod, "slot_machine", lambda checked=None: rec)
-    yield rec
+    handle = add_tracer(rec)
+    try:
+        yield rec
+    finally:
+        remove_tracer(handle)
 
 
 # -- construction --
@@ -114,8 +114,9 @@ def test_config_errors() -> None:
 # -- transitions --
 
 
-def test_every_slot_change_goes_through_the_machine(recorder: RecordingMachine) -> None:
-    m = CPUOffloadingManager(2, checked=True)
+@pytest.mark.parametrize("checked", [True, False])
+def test_every_slot_change_goes_through_the_machine(recorder: RecordingMachine, checked: bool) -> None:
+    m = CPUOffloadingManager(2, checked=checked)
     out = m.prepare_store(keys(0, 1), CTX)
     assert out is not None
     m.complete_store(keys(0), CTX)

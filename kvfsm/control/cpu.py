@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from types import MappingProxyType
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from typing_extensions import override
 
@@ -29,7 +30,7 @@ from kvfsm.control.types import (
 )
 from kvfsm.errors import ConfigError, InvalidTransition, KeyNotReadyError
 from kvfsm.machines import slot_machine
-from kvfsm.machines.compiled import SpecMachine
+from kvfsm.machines.compiled import SpecMachine, tracing
 from kvfsm.machines.names import SlotEffect, SlotEvent, SlotState
 from kvfsm.validation import is_int
 
@@ -37,6 +38,10 @@ __all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
 _READABLE = (SlotState.READY, SlotState.READING)
+# Enum members read through their class cost a descriptor call each (Python 3.11): the hot paths use these.
+_WRITING, _READY = SlotState.WRITING, SlotState.READY
+_MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+_by_seq = attrgetter("seq")
 
 
 def is_evictable(state: SlotState) -> bool:
@@ -46,7 +51,7 @@ def is_evictable(state: SlotState) -> bool:
     marked non-evictable, one entering it evictable); the model checker (kvfsm.check) asks the same
     function, so a bug planted here is seen by both.
     """
-    return state is SlotState.READY
+    return state is _READY
 
 
 @dataclass(slots=True)
@@ -183,7 +188,7 @@ class Slot(SlotModel):
 
     @property
     def ref_cnt(self) -> int:
-        if self.state is SlotState.WRITING:
+        if self.state is _WRITING:
             return -1
         return self.readers
 
@@ -198,6 +203,7 @@ class CPUOffloadingManager(OffloadingManager):
         "_events",
         "_free_ids",
         "_key_positions",
+        "_lookup_calls",
         "_machine",
         "_max_tracker_size",
         "_medium",
@@ -263,9 +269,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_reading = 0
         self._events: list[OffloadingEvent] = []
         self._stats = CPUCounters()
-        # Per request: the latest answer to each key it looked up (dropped when the request finishes), so a
-        # retry is counted as one, not as another lookup.
+        # Per request: the latest answer to each key it looked up, so a retry is counted as one, not as
+        # another lookup. Folded into the counters when the request finishes (or the cache is reset);
+        # ``stats`` adds the live requests' answers, so a lookup costs one store and one increment.
         self._answers: dict[str, dict[OffloadKey, LookupResult]] = {}
+        self._lookup_calls = 0
 
     # -- introspection --
 
@@ -340,9 +348,19 @@ class CPUOffloadingManager(OffloadingManager):
         manager was built (vLLM's allocation-size histogram; failed attempts included). Read-only."""
         return MappingProxyType(self._allocation_sizes)
 
+    @property
+    def stores_skipped(self) -> int:
+        """New keys the admission filter turned away so far (O(1), unlike :meth:`stats`)."""
+        return self._stats.stores_skipped
+
     def stats(self) -> CPUStats:
+        """The counters (live requests' lookups included, O(their looked-up keys)) and the slots now."""
+        counts = asdict(self._stats)
+        for answers in self._answers.values():
+            self._fold_into(counts, answers)
+        counts["lookup_retries"] = self._lookup_calls - counts["lookups"]
         return CPUStats(
-            **asdict(self._stats),
+            **counts,
             num_slots=self._num_slots,
             used=len(self._slots),
             writing=self._num_writing,
@@ -356,36 +374,38 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         slot = self._slots.get(key)
         if slot is None:
-            result = LookupResult.MISS
-        elif slot.state is SlotState.WRITING:
-            result = LookupResult.HIT_PENDING
+            result = _MISS
+        elif slot.state is _WRITING:
+            result = _HIT_PENDING
         else:
-            result = LookupResult.HIT
-        # Counted once per request and key, under its latest answer (inline: lookup is the hottest call).
+            result = _HIT
+        # Counted once per request and key, under its latest answer: only the answer is kept here, the
+        # counts are taken from it when the request finishes (lookup is the hottest call).
         answers = self._answers.get(ctx.req_id)
         if answers is None:
             answers = self._answers[ctx.req_id] = {}
-        before = answers.get(key)
-        if before is result:
-            self._stats.lookup_retries += 1
-            return result
         answers[key] = result
-        if before is None:
-            self._stats.lookups += 1
-        else:
-            self._stats.lookup_retries += 1
-            self._bump(before, -1)
-        self._bump(result, 1)
+        self._lookup_calls += 1
         return result
 
-    def _bump(self, result: LookupResult, by: int) -> None:
-        stats = self._stats
-        if result is LookupResult.HIT:
-            stats.hits += by
-        elif result is LookupResult.MISS:
-            stats.misses += by
-        else:
-            stats.hit_pending += by
+    @staticmethod
+    def _fold_into(counts: dict[str, int], answers: Mapping[OffloadKey, LookupResult]) -> None:
+        by_result = Counter(answers.values())
+        counts["lookups"] += len(answers)
+        counts["hits"] += by_result[LookupResult.HIT]
+        counts["misses"] += by_result[LookupResult.MISS]
+        counts["hit_pending"] += by_result[LookupResult.HIT_PENDING]
+
+    def _fold_answers(self, req_id: str) -> None:
+        """Count a finished request's lookups (each key once, under its latest answer)."""
+        answers = self._answers.pop(req_id, None)
+        if answers:
+            by_result = Counter(answers.values())
+            stats = self._stats
+            stats.lookups += len(answers)
+            stats.hits += by_result[LookupResult.HIT]
+            stats.misses += by_result[LookupResult.MISS]
+            stats.hit_pending += by_result[LookupResult.HIT_PENDING]
 
     @override
     def on_new_request(self, ctx: ReqContext, key_position: KeyPosition | None = None) -> None:
@@ -412,14 +432,17 @@ class CPUOffloadingManager(OffloadingManager):
         self, access: RequestAccess, keys: Iterable[OffloadKey], reused: Iterable[OffloadKey] = ()
     ) -> None:
         seen, groups = access.seen, access.key_groups
-        new_keys: list[OffloadKey] = []
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
-            groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
-            new_keys.append(key)
+        new_keys = [key for key in dict.fromkeys(keys) if key not in seen]
         if new_keys:
+            seen.update(new_keys)
+            # A request's keys mostly share their group (the key's last 4 bytes): one dict probe per run.
+            tail: bytes | None = None
+            members: list[OffloadKey] = []
+            for key in new_keys:
+                if key[-4:] != tail:
+                    tail = key[-4:]
+                    members = groups.setdefault(int.from_bytes(tail, "big"), [])
+                members.append(key)
             self._policy.on_request_access(new_keys, access)
         inserted = access.inserted
         # Re-reading a key this request stored is an internal transfer (a cascade), not a reuse.
@@ -428,7 +451,7 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def on_request_finished(self, ctx: ReqContext) -> None:
         """A request-scoped policy commits the request's recency now (vLLM 0.33), head most recent."""
-        self._answers.pop(ctx.req_id, None)
+        self._fold_answers(ctx.req_id)
         self._key_positions.pop(ctx.req_id, None)
         access = self._requests.pop(ctx.req_id, None)
         if access is not None:
@@ -464,7 +487,7 @@ class CPUOffloadingManager(OffloadingManager):
             slot = slots.get(key)
             if slot is None:
                 new_keys.append(key)
-            elif slot.state is not SlotState.WRITING:
+            elif slot.state is not _WRITING:
                 ready_held.append(key)
         counts = self._counts
         if counts is not None:
@@ -523,11 +546,12 @@ class CPUOffloadingManager(OffloadingManager):
         reservation order.
         """
         slots = self._slots
-        writing = [
-            slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is SlotState.WRITING
-        ]
-        writing.sort(key=_by_seq)
-        self._finish_writes([slot.key for slot in writing], success, promotion=False)
+        writing = [slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is _WRITING]
+        if self.enable_events or not self._policy.request_scoped or tracing():
+            # The order is seen (events, a commit-order policy's insertions, tracers): reservation order.
+            # A request-scoped policy marks the batch ready as a set, so it needs none.
+            writing.sort(key=_by_seq)
+        self._finish_writes(writing, success, promotion=False)
 
     @override
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> None:
@@ -565,7 +589,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._next_id = 0
         self._free_ids.clear()
         self._num_writing = self._num_ready = self._num_reading = 0
-        self._answers.clear()  # a lookup after the reset is a new one
+        for req_id in list(self._answers):
+            self._fold_answers(req_id)  # counted; a lookup after the reset is a new one
         self._requests.clear()  # accesses before the reset commit nothing after it
 
     # -- tier side (CPU primary of a tiering manager) --
@@ -603,10 +628,30 @@ class CPUOffloadingManager(OffloadingManager):
                 raise InvalidTransition(
                     "slot", str(state), str(event), f"key {_show(key)} is not being written; expected writing"
                 )
-        self._finish_writes(unique, success, promotion=True)
+        self._finish_writes([self._slots[key] for key in unique], success, promotion=True)
 
     def prepare_read(self, keys: Sequence[OffloadKey]) -> SlotSpec:
         """Pin readable keys (ready or reading) until :meth:`complete_read`; one reader per listing."""
+        slots = self._slots
+        pinned = [slots.get(key) for key in keys]
+        if None in pinned or len(set(keys)) != len(pinned):
+            return self._prepare_read_each(keys)
+        try:
+            groups = self._machine.fire_many(cast("list[Slot]", pinned), SlotEvent.BEGIN_READ, distinct=True)
+        except InvalidTransition:
+            return self._prepare_read_each(keys)  # raises KeyNotReadyError for the first unreadable key
+        for source, dest, _effect, members in groups:
+            for slot in members:
+                slot.readers += 1
+            if is_evictable(source) and not is_evictable(dest):
+                # 0 -> 1 reader: eviction must not take them until the last reader is done.
+                self._policy.mark_non_evictable_many(keys if members is pinned else [slot.key for slot in members])
+                self._num_ready -= len(members)
+                self._num_reading += len(members)
+        return SlotSpec(tuple([slot.slot_id for slot in cast("list[Slot]", pinned)]))
+
+    def _prepare_read_each(self, keys: Sequence[OffloadKey]) -> SlotSpec:
+        """:meth:`prepare_read` one listing at a time (a key listed twice, or the error path)."""
         slots = self._slots
         for key in keys:
             slot = slots.get(key)
@@ -623,7 +668,6 @@ class CPUOffloadingManager(OffloadingManager):
             was_evictable = is_evictable(slot.state)
             slot.begin_read()
             if was_evictable and not is_evictable(slot.state):
-                # 0 -> 1 reader: eviction must not take it until the last reader is done.
                 policy.mark_non_evictable(key)
                 self._num_ready -= 1
                 self._num_reading += 1
@@ -634,23 +678,37 @@ class CPUOffloadingManager(OffloadingManager):
         """Unpin keys pinned by :meth:`prepare_read` (once per listing); the last reader makes it ready."""
         slots = self._slots
         pinned = [slots.get(key) for key in keys]
-        if len(set(keys)) == len(pinned):  # each key once (the usual case): one check per slot
-            for key, slot in zip(keys, pinned, strict=True):
-                if slot is None or slot.state is not SlotState.READING:
-                    self._raise_end_read(key, 1)
-        else:
-            counts: dict[OffloadKey, int] = {}
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
-            for key, n in counts.items():
-                slot = slots.get(key)
-                if slot is None or slot.state is not SlotState.READING or slot.readers < n:
-                    self._raise_end_read(key, n)
+        if None in pinned or len(set(keys)) != len(pinned):
+            self._complete_read_each(keys)
+            return
+        try:
+            groups = self._machine.fire_many(cast("list[Slot]", pinned), SlotEvent.END_READ, distinct=True)
+        except InvalidTransition:
+            self._complete_read_each(keys)  # raises for the first key that is not being read
+            raise AssertionError("unreachable: complete_read_each raises") from None
+        for _source, dest, _effect, members in groups:
+            for slot in members:
+                slot.readers -= 1
+            if is_evictable(dest):  # the last reader is done (a reading slot was not evictable)
+                self._policy.mark_evictable_many(keys if members is pinned else [slot.key for slot in members])
+                self._num_reading -= len(members)
+                self._num_ready += len(members)
+
+    def _complete_read_each(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`complete_read` when a key is listed more than once, or to raise for the bad key."""
+        slots = self._slots
+        counts: dict[OffloadKey, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in counts.items():
+            slot = slots.get(key)
+            if slot is None or slot.state is not SlotState.READING or slot.readers < n:
+                self._raise_end_read(key, n)
         released: list[OffloadKey] = []
-        for slot in pinned:
-            assert slot is not None  # checked above
+        for key in keys:
+            slot = slots[key]
             slot.end_read()
-            if is_evictable(slot.state):  # the last reader is done (a reading slot was not evictable)
+            if is_evictable(slot.state):
                 released.append(slot.key)
         if released:
             self._policy.mark_evictable_many(released)
@@ -686,16 +744,15 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             self._evict(victims)
         machine = self._machine
-        slots, alloc = self._slots, self._alloc_id
-        ids: list[int] = []
+        ids = self._alloc_ids(len(new_keys))
         seq = self._next_seq
-        for key in new_keys:
-            seq += 1
-            slot = Slot(key, alloc(), seq, machine=machine)
-            slot.begin_write()
-            slots[key] = slot
-            ids.append(slot.slot_id)
-        self._next_seq = seq
+        fresh = [
+            Slot(key, slot_id, seq + i, machine=machine)
+            for i, (key, slot_id) in enumerate(zip(new_keys, ids, strict=True), 1)
+        ]
+        machine.fire_many(fresh, SlotEvent.BEGIN_WRITE, distinct=True)  # absent -> writing: one row for all
+        self._slots.update(zip(new_keys, fresh, strict=True))
+        self._next_seq = seq + len(new_keys)
         if self._policy.request_scoped:
             self._policy.insert_pending(new_keys, access)  # held (not evictable) while being written
         self._num_writing += len(new_keys)
@@ -703,37 +760,38 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _evict(self, victims: list[OffloadKey]) -> None:
         """Victims already left the policy; free their slots and report them removed."""
+        slots = self._slots
+        gone = [slots[key] for key in victims]
         removed: list[OffloadKey] = []
+        for _source, _dest, effect, members in self._machine.fire_many(gone, SlotEvent.EVICT, distinct=True):
+            if effect is SlotEffect.EMIT_REMOVED:
+                removed.extend([slot.key for slot in members])
         for key in victims:
-            slot = self._slots.pop(key)
-            match slot.evict():
-                case SlotEffect.EMIT_REMOVED:
-                    removed.append(key)
-                case _:
-                    pass
-            self._free_ids.append(slot.slot_id)
+            del slots[key]
+        self._free_ids.extend([slot.slot_id for slot in gone])
         self._num_ready -= len(victims)
         self._stats.evictions += len(victims)
         if removed and self.enable_events:
             self._events.append(OffloadingEvent(tuple(removed), self._medium, removed=True))
 
-    def _finish_writes(self, writing: list[OffloadKey], success: bool, *, promotion: bool) -> None:
-        """``writing`` holds distinct keys, all in the writing state, of GPU stores or of promotions."""
-        if not writing:
+    def _finish_writes(self, slots_written: list[Slot], success: bool, *, promotion: bool) -> None:
+        """``slots_written`` holds distinct slots, all in the writing state, of GPU stores or of promotions."""
+        if not slots_written:
             return
         policy = self._policy
         holds_writing = policy.request_scoped
+        slots = self._slots
+        writing = [slot.key for slot in slots_written]
         if success:
             stored: list[OffloadKey] = []
-            for key in writing:
-                slot = self._slots[key]
-                match slot.commit_write():
-                    case SlotEffect.EMIT_STORED:
-                        stored.append(key)
-                    case _:
-                        pass
+            groups = self._machine.fire_many(slots_written, SlotEvent.COMMIT_WRITE, distinct=True)
+            for _source, dest, effect, members in groups:
+                if effect is SlotEffect.EMIT_STORED and self.enable_events:
+                    stored.extend(writing if members is slots_written else [slot.key for slot in members])
                 if not holds_writing:
-                    policy.insert(key, evictable=is_evictable(slot.state))
+                    evictable = is_evictable(dest)
+                    for slot in members:
+                        policy.insert(slot.key, evictable=evictable)
             if holds_writing:
                 policy.mark_ready_many(writing)  # one batch: a request-scoped policy re-heaps once
             self._num_ready += len(writing)
@@ -745,16 +803,18 @@ class CPUOffloadingManager(OffloadingManager):
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
             released: list[OffloadKey] = []
+            aborted = slots_written
+            for _source, _dest, effect, members in self._machine.fire_many(
+                aborted, SlotEvent.ABORT_WRITE, distinct=True
+            ):
+                if effect is SlotEffect.EMIT_REMOVED:
+                    released.extend([slot.key for slot in members])
             for key in writing:
-                slot = self._slots.pop(key)
-                match slot.abort_write():
-                    case SlotEffect.EMIT_REMOVED:
-                        released.append(key)
-                    case _:
-                        pass
-                if holds_writing:
+                del slots[key]
+            if holds_writing:
+                for key in writing:
                     policy.remove(key)
-                self._free_ids.append(slot.slot_id)
+            self._free_ids.extend([slot.slot_id for slot in aborted])
             if released and self.enable_events:
                 # Never announced as stored; the removal tells listeners to drop their bookkeeping.
                 self._events.append(OffloadingEvent(tuple(released), self._medium, removed=True, metadata_only=True))
@@ -764,14 +824,17 @@ class CPUOffloadingManager(OffloadingManager):
                 self._stats.stores_failed += len(writing)
         self._num_writing -= len(writing)
 
-    def _alloc_id(self) -> int:
-        """Never-used ids first (ascending), then the most recently freed one (vLLM's chunk-pool order)."""
-        slot_id = self._next_id
-        if slot_id < self._num_slots:
-            self._next_id = slot_id + 1
-            return slot_id
-        return self._free_ids.pop()
-
-
-def _by_seq(slot: Slot) -> int:
-    return slot.seq
+    def _alloc_ids(self, n: int) -> list[int]:
+        """``n`` ids: never-used ones first (ascending), then the most recently freed ones, last freed
+        first (vLLM's chunk-pool order). The caller made room for ``n``."""
+        first = self._next_id
+        fresh = min(n, self._num_slots - first)
+        ids = list(range(first, first + fresh))
+        self._next_id = first + fresh
+        if fresh < n:
+            free = self._free_ids
+            reused = free[len(free) - (n - fresh) :]
+            del free[len(free) - (n - fresh) :]
+            reused.reverse()
+            ids.extend(reused)
+        return ids

@@ -121,6 +121,14 @@ class CachePolicy(ABC):
         for key in keys:
             self.mark_evictable(key)
 
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`mark_non_evictable` for each key (a policy may batch it); nothing changes if one is not held."""
+        for key in keys:
+            if key not in self:
+                raise _not_held(key, "mark_non_evictable()")
+        for key in keys:
+            self.mark_non_evictable(key)
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:  # noqa: B027 - optional hook
         """Keys a request offered for storing that are not held (ARC learns from its ghosts here)."""
 
@@ -635,9 +643,8 @@ class RequestLRUPolicy(CachePolicy):
     @override
     def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
         ranks, evictable = self._ranks, self._evictable
-        for key in keys:
-            if key not in ranks:
-                raise _not_held(key, "mark_evictable()")
+        if not ranks.keys() >= set(keys):
+            raise _not_held(next(key for key in keys if key not in ranks), "mark_evictable()")
         # One heap update for the batch (no rank changes: becoming evictable is not a use).
         added = [key for key in dict.fromkeys(keys) if key not in evictable]
         evictable.update(added)
@@ -648,6 +655,13 @@ class RequestLRUPolicy(CachePolicy):
         if key not in self._ranks:
             raise _not_held(key, "mark_non_evictable()")
         self._evictable.discard(key)
+
+    @override
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        ranks = self._ranks
+        if not ranks.keys() >= set(keys):
+            raise _not_held(next(key for key in keys if key not in ranks), "mark_non_evictable()")
+        self._evictable.difference_update(keys)
 
     @override
     def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:
@@ -847,20 +861,27 @@ class RequestARCPolicy(CachePolicy):
                 elif key in t2:
                     t2.move_to_end(key)
 
+    def _check_held(self, keys: Sequence[OffloadKey], what: str) -> None:
+        t1, t2 = self._t1, self._t2
+        missing = [key for key in keys if key not in t1 and key not in t2]
+        if missing:
+            raise _not_held(missing[0], what)
+
     @override
     def mark_ready_many(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if key not in self:
-                raise _not_held(key, "mark_ready()")
+        self._check_held(keys, "mark_ready()")
         self._pending.difference_update(keys)
         self._evictable.update(keys)
 
     @override
     def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if key not in self:
-                raise _not_held(key, "mark_evictable()")
+        self._check_held(keys, "mark_evictable()")
         self._evictable.update(keys)
+
+    @override
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        self._check_held(keys, "mark_non_evictable()")
+        self._evictable.difference_update(keys)
 
     @override
     def mark_evictable(self, key: OffloadKey) -> None:

@@ -10,21 +10,25 @@ In checked mode (``KVFSM_CHECKED=1`` or ``checked=True``) every fire also runs t
 itself and any disagreement raises :class:`~kvfsm.errors.SpecError`.
 
 ``fire`` returns the transition's effect as a member of the machine's effect enum
-(:mod:`kvfsm.machines.names`), for the caller to carry out (h2-style). Transition tracers are registered with
-:func:`add_tracer` / :func:`remove_tracer` (any number, removed in any order). Tests plant a wrong guard
-or table row through :meth:`SpecMachine.planted`, never by touching the compiled table.
+(:mod:`kvfsm.machines.names`), for the caller to carry out (h2-style). ``fire_many`` applies one event to
+many distinct models at once: one table lookup per distinct source state, the same rows and guards as
+``fire``, all or nothing (an invalid transition anywhere in the batch raises and changes no model).
+Transition tracers are registered with :func:`add_tracer` / :func:`remove_tracer` (any number, removed
+in any order). Tests plant a wrong guard or table row through :meth:`SpecMachine.planted`, never by
+touching the compiled table.
 The rules these machines follow are written down in ``spec/README.md``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import compress, repeat
 from types import MappingProxyType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from transitions import Machine, MachineError
 
@@ -33,6 +37,7 @@ from kvfsm.machines.loader import MachineSpec, load_machine
 
 __all__ = [
     "CompiledEdge",
+    "FiredGroup",
     "Guard",
     "SpecMachine",
     "Stateful",
@@ -46,11 +51,13 @@ __all__ = [
     "evaluate_transitions",
     "remove_tracer",
     "set_tracer",
+    "tracing",
 ]
 
 S = TypeVar("S", bound=StrEnum)
 E = TypeVar("E", bound=StrEnum)
 F = TypeVar("F", bound=StrEnum)
+M = TypeVar("M", bound="Stateful[Any]")
 
 #: A guard: ``(model, arg) -> bool``, pure.
 Guard = Callable[[Any, int], bool]
@@ -123,6 +130,11 @@ def set_tracer(tracer: TransitionTracer | None) -> TransitionTracer | None:
         _tracers[_LEGACY.id] = tracer
     _rebuild_dispatch()
     return previous
+
+
+def tracing() -> bool:
+    """Whether any transition tracer is installed (a caller may then keep an order it could skip)."""
+    return _tracer is not None
 
 
 def checked_mode_default() -> bool:
@@ -231,6 +243,10 @@ def evaluate_table(
 
 
 _Edge = tuple[Guard | None, S, F | None]
+
+#: One outcome of :meth:`SpecMachine.fire_many`: (source, dest, effect, the models that took it, in the
+#: order given). Every model of a group took the same row of the table.
+FiredGroup = tuple[S, S, F | None, Sequence[M]]
 
 
 class SpecMachine(Generic[S, E, F]):
@@ -375,6 +391,117 @@ class SpecMachine(Generic[S, E, F]):
             self._check(model, event, arg, None, None)
         detail = "no guard held" if (state, event) in self._table else ""
         raise InvalidTransition(self.spec.name, str(state), str(event), detail)
+
+    def fire_many(
+        self, models: Sequence[M], event: E, arg: int = 0, *, distinct: bool = False
+    ) -> list[FiredGroup[S, F, M]]:
+        """Apply ``event`` to each of ``models`` (distinct objects) as ``fire`` would, one after the other.
+
+        Returns the outcomes grouped by the row taken: ``(source, dest, effect, models)``, each group's
+        models in the order given (a group of every model is ``models`` itself). The table is looked up
+        once per distinct source state; an unguarded row moves its whole group without a call per model,
+        and a guarded row evaluates each guard once per model still undecided (guards are pure, so this
+        takes the same row for each model as trying its rows in order). All or nothing: if any model
+        has no enabled row, InvalidTransition is raised and no model changes. With a tracer installed or
+        in checked mode every model goes through the same checks ``fire`` makes, and tracers see each
+        transition in the order given. A model listed twice raises InvalidTransition (its second
+        transition would start from a state the batch has not reached); ``distinct=True`` says the
+        caller has made sure of that already, and skips the check.
+        """
+        if not models:
+            return []
+        if self.checked or _tracer is not None:
+            return self._fire_many_observed(models, event, arg)
+        if not distinct and len(set(map(id, models))) != len(models):
+            self._raise_duplicate(models, event)
+        state = models[0].state
+        for model in models:
+            if model.state is not state:
+                groups = self._plan_mixed(models, event, arg)
+                break
+        else:
+            groups = self._plan_group(state, models, event, arg)
+        for _source, dest, _effect, members in groups:
+            for model in members:
+                model.state = dest
+        return groups
+
+    def _plan_group(self, state: S, members: Sequence[M], event: E, arg: int) -> list[FiredGroup[S, F, M]]:
+        """The rows taken by ``members``, all in ``state``; changes nothing."""
+        edges = self._table.get((state, event), ())
+        if not edges:
+            raise InvalidTransition(self.spec.name, str(state), str(event))
+        groups: list[FiredGroup[S, F, M]] = []
+        remaining = members
+        for guard, dest, effect in edges:
+            if guard is None:
+                groups.append((state, dest, effect, remaining))
+                return groups
+            held = list(map(guard, remaining, repeat(arg)))
+            if all(held):
+                groups.append((state, dest, effect, remaining))
+                return groups
+            if any(held):
+                groups.append((state, dest, effect, list(compress(remaining, held))))
+                remaining = [model for model, ok in zip(remaining, held, strict=True) if not ok]
+        raise InvalidTransition(self.spec.name, str(state), str(event), "no guard held")
+
+    def _plan_mixed(self, models: Sequence[M], event: E, arg: int) -> list[FiredGroup[S, F, M]]:
+        """The rows taken by models in several states; changes nothing."""
+        by_state: dict[S, list[M]] = {}
+        for model in models:
+            members = by_state.get(model.state)
+            if members is None:
+                by_state[model.state] = [model]
+            else:
+                members.append(model)
+        groups: list[FiredGroup[S, F, M]] = []
+        for source, members in by_state.items():
+            groups.extend(self._plan_group(source, members, event, arg))
+        return groups
+
+    def _fire_many_observed(self, models: Sequence[M], event: E, arg: int) -> list[FiredGroup[S, F, M]]:
+        """``fire_many`` with checked mode or tracers: each model checked as ``fire`` checks it, the
+        whole batch validated before any model changes, tracers told in the order given."""
+        if len(set(map(id, models))) != len(models):
+            self._raise_duplicate(models, event)
+        planned: list[tuple[M, S, S, F | None]] = []
+        for model in models:
+            state = model.state
+            for guard, dest, effect in self._table.get((state, event), ()):
+                if guard is None or guard(model, arg):
+                    if self.checked:
+                        self._check(model, event, arg, dest, effect)
+                    planned.append((model, state, dest, effect))
+                    break
+            else:
+                if self.checked:
+                    self._check(model, event, arg, None, None)
+                detail = "no guard held" if (state, event) in self._table else ""
+                raise InvalidTransition(self.spec.name, str(state), str(event), detail)
+        grouped: dict[tuple[S, S, F | None], list[M]] = {}
+        for model, source, dest, effect in planned:
+            grouped.setdefault((source, dest, effect), []).append(model)
+        name = self.spec.name
+        for model, source, dest, _effect in planned:
+            model.state = dest
+            tracer = _tracer
+            if tracer is not None:
+                tracer(name, model, str(event), str(source), str(dest))
+        return [(source, dest, effect, members) for (source, dest, effect), members in grouped.items()]
+
+    def _raise_duplicate(self, models: Sequence[Stateful[S]], event: E) -> NoReturn:
+        seen: set[int] = set()
+        for model in models:
+            if id(model) in seen:
+                raise InvalidTransition(
+                    self.spec.name,
+                    str(model.state),
+                    str(event),
+                    "the model is listed twice in one fire_many batch; expected distinct models",
+                )
+            seen.add(id(model))
+        raise AssertionError("unreachable: no model is listed twice")
 
     def _check(self, model: Stateful[S], event: E, arg: int, dest: S | None, effect: F | None) -> None:
         def guard(name: str) -> bool:
