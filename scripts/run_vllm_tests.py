@@ -198,10 +198,27 @@ def main(argv: list[str] | None = None) -> int:
     paths = [p for s in suites for p in SUITES[s]]
     import pytest
 
+    # An ini file of the sdist tree's own makes it pytest's rootdir: where the tree lies inside kvfsm's checkout
+    # (tox's envtmpdir), pytest would otherwise take kvfsm's pyproject.toml, whose --strict-markers rejects
+    # vLLM's own markers (skip_global_cleanup, ...).
+    ini = src / "pytest.ini"
+    ini.write_text("[pytest]\n")
     # vLLM's top-level tests/conftest.py needs its whole test requirements; the suites need none of it.
     return int(
         pytest.main(
-            ["-p", "no:cacheprovider", "--confcutdir", "tests/v1", "-q", *paths, *rest],
+            [
+                "-p",
+                "no:cacheprovider",
+                "-c",
+                str(ini),
+                "--rootdir",
+                str(src),
+                "--confcutdir",
+                "tests/v1",
+                "-q",
+                *paths,
+                *rest,
+            ],
             plugins=[] if args.native else [KvfsmPlugin(load_differences())],
         )
     )
