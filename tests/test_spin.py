@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,8 @@ from kvfsm.check.promela import PromelaBounds, generate
 from kvfsm.check.properties import DrainMode
 from kvfsm.check.spin import INSTALL_HINT, run_spin
 from kvfsm.cli import main as cli_main
+from kvfsm.machines import engine_machine, job_machine
+from kvfsm.machines.compiled import CompiledEdge
 
 needs_spin = pytest.mark.skipif(
     shutil.which("spin") is None or (shutil.which("gcc") or shutil.which("cc")) is None,
@@ -132,3 +136,42 @@ def test_missing_spin_is_one_line_with_the_install_hint(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"kvfsm: error: spin is not on PATH; {INSTALL_HINT}"]
+
+
+@contextmanager
+def _plant_commit_on_first_ack() -> Iterator[None]:
+    """A planted *table row* (not a guard): in_flight --ack [acks_still_pending]--> complete / commit."""
+    bad = (
+        CompiledEdge("acks_still_pending", "complete", "commit"),
+        CompiledEdge("last_ack_clean", "complete", "commit"),
+        CompiledEdge("last_ack_after_failure", "failed", "release"),
+    )
+    with ExitStack() as stack:
+        for args in ((), (None,), (False,), (True,)):
+            stack.enter_context(job_machine(*args).planted(table_edits={("in_flight", "ack"): bad}))
+        yield
+
+
+@needs_spin
+def test_spin_and_native_checker_agree_on_planted_table_row() -> None:
+    with _plant_commit_on_first_ack():
+        assert "G_job_acks_still_pending" in generate()
+        spin = run_spin(PromelaBounds(), optimize=False)
+        native = explore(Bounds(), model=Model(Bounds()), keep_graph=False, check_liveness=False)
+    assert spin.violated == ("readable_only_after_commit",), spin.report
+    assert native.violations and native.violations[0].invariant == "readable_only_after_commit"
+
+
+@needs_spin
+def test_spin_and_native_checker_agree_on_draining_forever() -> None:
+    """A planted engine guard pair that never lets the engine settle idle: a liveness bug, found by SPIN's LTL
+    claim under weak fairness and by the native checker's reverse-reachability check."""
+    never_idle = {"no_pending_push_work": lambda m, a: False, "pending_push_work": lambda m, a: True}
+    with engine_machine().planted(guards=never_idle):
+        safety = run_spin(PromelaBounds(jobs=1, requests=1), optimize=False)
+        live = run_spin(PromelaBounds(jobs=1, requests=1, liveness=True), optimize=False)
+        tiny = Bounds(requests=1, prompts=1, chunks=1, workers=2, slots=1, groups=1, tiers=0, resets=0, preemptions=0)
+        native = explore(tiny, model=Model(tiny), keep_graph=True, check_liveness=True)
+    assert safety.ok, safety.report  # no invariant breaks: only the path property does
+    assert live.violated == ("liveness",), live.report
+    assert [v.invariant for v in native.violations] == ["liveness"]
