@@ -19,12 +19,13 @@ import pytest
 from planted_bugs import PLANTED_BUGS
 
 from kvfsm.check import Bounds, Model, explore
-from kvfsm.check.promela import PromelaBounds, generate
-from kvfsm.check.properties import DrainMode
+from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
+from kvfsm.check.properties import DrainMode, load_properties
 from kvfsm.check.spin import INSTALL_HINT, run_spin
 from kvfsm.cli import main as cli_main
 from kvfsm.machines import engine_machine, job_machine
 from kvfsm.machines.compiled import CompiledEdge
+from kvfsm.machines.loader import load_invariants
 
 needs_spin = pytest.mark.skipif(
     shutil.which("spin") is None or (shutil.which("gcc") or shutil.which("cc")) is None,
@@ -175,3 +176,12 @@ def test_spin_and_native_checker_agree_on_draining_forever() -> None:
     assert safety.ok, safety.report  # no invariant breaks: only the path property does
     assert live.violated == ("liveness",), live.report
     assert [v.invariant for v in native.violations] == ["liveness"]
+
+
+def test_every_asserted_property_is_named_in_the_spec() -> None:
+    names = {i.name for i in load_invariants()} | {p.name for p in load_properties()}
+    assert set(PROPERTIES) <= names
+    text = generate(PromelaBounds(liveness=True))
+    for name in PROPERTIES:
+        assert f"violated_{name}" in text
+    assert "ltl liveness" in text

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
-from kvfsm.check.properties import DrainMode, load_drain_modes, load_properties
+from kvfsm.check.properties import DrainMode, load_drain_modes
 from kvfsm.control.decisions import settle_event
 from kvfsm.errors import ConfigError
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.machines.compiled import SpecMachine
-from kvfsm.machines.loader import load_invariants
 from kvfsm.machines.names import EngineState, SlotState
 
 __all__ = ["MAX_PROMELA_BOUNDS", "PROPERTIES", "PromelaBounds", "generate"]
@@ -71,7 +70,6 @@ class PromelaBounds:
     failures: bool = True
     drain: DrainMode = DrainMode.NON_BLOCKING
     liveness: bool = False  #: also emit the LTL liveness claim (run pan with -a -f, not -DSAFETY)
-    extra: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, hi in MAX_PROMELA_BOUNDS.items():
@@ -507,10 +505,3 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("  }")
     w("}")
     return w.text()
-
-
-def covered_properties() -> dict[str, str]:
-    """The spec entries (invariants.toml) the generated model asserts, by name, with their titles."""
-    titles = {i.name: i.title for i in load_invariants()}
-    titles.update({p.name: p.title for p in load_properties()})
-    return {p: titles.get(p, p) for p in PROPERTIES}
