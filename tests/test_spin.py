@@ -21,7 +21,7 @@ from planted_bugs import PLANTED_BUGS
 from kvfsm.check import Bounds, Model, explore
 from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
 from kvfsm.check.properties import DrainMode, load_properties
-from kvfsm.check.spin import INSTALL_HINT, run_spin
+from kvfsm.check.spin import INSTALL_HINT, parse_pan, run_spin
 from kvfsm.cli import main as cli_main
 from kvfsm.machines import engine_machine, job_machine
 from kvfsm.machines.compiled import CompiledEdge
@@ -185,3 +185,16 @@ def test_every_asserted_property_is_named_in_the_spec() -> None:
     for name in PROPERTIES:
         assert f"violated_{name}" in text
     assert "ltl liveness" in text
+
+
+def test_parse_pan_reads_large_counts() -> None:
+    report = (
+        "State-vector 180 byte, depth reached 1803, errors: 0\n"
+        " 39505009 states, stored\n"
+        "2.1582e+08 transitions (= stored+matched)\n"
+        "pan: elapsed time 316 seconds\n"
+        "pan: rate 125087.37 states/second\n"
+    )
+    r = parse_pan(report, PromelaBounds(), bitstate=True)
+    assert (r.states, r.transitions, r.errors, r.depth) == (39_505_009, 215_820_000, 0, 1803)
+    assert r.seconds == 316.0 and round(r.states_per_second) == 125_087 and r.complete

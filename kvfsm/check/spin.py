@@ -76,8 +76,9 @@ def find_tools() -> tuple[str, str]:
 
 
 def _int(pattern: str, text: str) -> int:
+    """An integer pan prints, plain or (past about 10^8) as 2.1582e+08."""
     m = re.search(pattern, text)
-    return int(m.group(1)) if m else 0
+    return int(float(m.group(1))) if m else 0
 
 
 def _float(pattern: str, text: str) -> float:
@@ -100,7 +101,7 @@ def parse_pan(report: str, bounds: PromelaBounds, *, bitstate: bool = False, liv
         violated.append("deadlock")
     errors = _int(r"errors:\s*(\d+)", report)
     seconds = _float(r"pan: elapsed time ([0-9.e+]+) seconds", report)
-    states = _int(r"(\d+) states, stored", report)
+    states = _int(r"([0-9.e+]+) states, stored", report)
     rate = _float(r"pan: rate\s+([0-9.e+]+) states/second", report)
     if rate == 0.0 and seconds > 0:
         rate = states / seconds
@@ -111,7 +112,7 @@ def parse_pan(report: str, bounds: PromelaBounds, *, bitstate: bool = False, liv
         liveness=liveness,
         errors=errors,
         states=states,
-        transitions=_int(r"(\d+) transitions", report),
+        transitions=_int(r"([0-9.e+]+) transitions", report),
         seconds=seconds,
         states_per_second=rate,
         depth=_int(r"depth reached (\d+)", report),
