@@ -1,4 +1,4 @@
-"""The kvfsm command line: demo, bench, check, diagram, spec.
+"""The kvfsm command line: demo, bench, check, diagram, export, spec.
 
 Every bad input ends with one line on stderr (kvfsm: error: what was wrong; what was expected) and a
 non-zero exit status, never a traceback: 2 for a bad option or input, 130 when interrupted.
@@ -165,6 +165,21 @@ def _check_trace(path: str, as_json: bool) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """``kvfsm export promela``: the Promela model of the spec for SPIN."""
+    from pathlib import Path
+
+    from kvfsm.check.cli import promela_bounds_from
+    from kvfsm.check.promela import generate
+
+    text = generate(promela_bounds_from(args, liveness=bool(args.liveness)))
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _cmd_diagram(args: argparse.Namespace) -> int:
     from kvfsm.observe.diagrams import run
 
@@ -254,6 +269,23 @@ def build_parser() -> OneLineParser:
 
     add_diagram_arguments(p)
     p.set_defaults(func=_cmd_diagram)
+
+    p = add(
+        "export", "export the spec: promela (a Promela model for SPIN, generated from spec/)", "kvfsm.check.promela"
+    )
+    p.add_argument("format", choices=["promela"], help="promela: the model kvfsm check --engine spin runs")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("--requests", type=int_in(1, 6), default=None, metavar="N", help="requests (2; 1 to 6)")
+    p.add_argument(
+        "--workers", "--ranks", dest="workers", type=int_in(1, 4), default=None, metavar="N", help="W (2; 1 to 4)"
+    )
+    p.add_argument("--slots", type=int_in(1, 6), default=None, metavar="N", help="CPU slots (1; 1 to 6)")
+    p.add_argument("--jobs", type=int_in(1, 6), default=None, metavar="N", help="store jobs in all (2; 1 to 6)")
+    p.add_argument("--cascades", type=int_in(0, 6), default=None, metavar="N", help="cascades in all (1; 0 to 6)")
+    p.add_argument("--drain", choices=["non_blocking", "blocking"], default=None, help="the engine's drain mode")
+    p.add_argument("--no-failures", action="store_true", help="copies never fail")
+    p.add_argument("--liveness", action="store_true", help="also emit the LTL liveness claim")
+    p.set_defaults(func=_cmd_export)
 
     p = add("spec", "states, events and transitions of every spec machine", None)
     p.set_defaults(func=_cmd_spec)

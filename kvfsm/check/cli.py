@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from kvfsm.check.bfs import ExplorationResult, Violation, explore, format_trace, mermaid_sequence
 from kvfsm.check.model import Bounds, Model
+from kvfsm.check.promela import PromelaBounds
 from kvfsm.check.properties import DrainMode
 from kvfsm.cli import int_in
 from kvfsm.errors import ConfigError
@@ -27,10 +28,13 @@ __all__ = [
     "MAX_BOUNDS",
     "MAX_STATES",
     "add_arguments",
+    "add_spin_arguments",
     "bounds_from",
     "explore_options_given",
+    "promela_bounds_from",
     "replay_counterexample",
     "run",
+    "run_spin_check",
 ]
 
 #: (states, edges, queued, seconds) -> None
@@ -77,6 +81,30 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "replay",
     "brief",
     "drain",
+    "diagram",
+    "engine",
+    "bitstate",
+    "jobs",
+    "cascades",
+)
+#: The native checker's options that the generated Promela composition does not model (kvfsm check --engine
+#: spin refuses them; spec/README.md, "SPIN export").
+NOT_FOR_SPIN: tuple[str, ...] = (
+    "prompts",
+    "chunks",
+    "groups",
+    "tiers",
+    "resets",
+    "preemptions",
+    "max_jobs",
+    "deadlines",
+    "durable",
+    "promotions",
+    "shutdown",
+    "keep_going",
+    "max_states",
+    "replay",
+    "brief",
     "diagram",
 )
 
@@ -148,8 +176,103 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also replay every edge on the implementation and probe it; with a violation, replay its counterexample",
     )
     o.add_argument("--quiet", action="store_true", help="no progress display")
+    add_spin_arguments(p)
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--brief", action="store_true", help="counterexamples without the state after each event")
+
+
+def add_spin_arguments(p: argparse.ArgumentParser) -> None:
+    """``--engine spin`` and the bounds only the generated Promela model has (kvfsm.check.promela)."""
+    from kvfsm.check.promela import MAX_PROMELA_BOUNDS, PromelaBounds
+
+    d = PromelaBounds()
+    s = p.add_argument_group("spin (--engine spin: SPIN on the Promela model generated from spec/)")
+    s.add_argument(
+        "--engine",
+        choices=["bfs", "spin"],
+        default=None,
+        help="bfs: kvfsm's own checker (the default); spin: generate Promela from spec/ and run SPIN on it "
+        "(uses --requests, --workers, --slots, --drain, --no-failures, --no-liveness)",
+    )
+    s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
+    for name, text in (("jobs", "store jobs in all"), ("cascades", "write-through cascades in all")):
+        lo = 0 if name == "cascades" else 1
+        hi = MAX_PROMELA_BOUNDS[name]
+        s.add_argument(
+            f"--{name}",
+            type=int_in(lo, hi),
+            default=None,
+            metavar="N",
+            help=f"with --engine spin: {text} ({getattr(d, name)}; {lo} to {hi})",
+        )
+
+
+def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> PromelaBounds:
+    """The generated model's bounds from ``kvfsm check --engine spin`` or ``kvfsm export promela`` options."""
+    from kvfsm.check.promela import MAX_PROMELA_BOUNDS, PromelaBounds
+
+    d = PromelaBounds()
+
+    def get(option: str, name: str) -> int:
+        value = getattr(args, option, None)
+        value = getattr(d, name) if value is None else value
+        hi = MAX_PROMELA_BOUNDS[name]
+        if value > hi:
+            raise ConfigError(
+                f"--{option.replace('_', '-')} {value} is too large for the Promela model; expected at most {hi}"
+            )
+        result: int = value
+        return result
+
+    return PromelaBounds(
+        jobs=get("jobs", "jobs"),
+        ranks=get("workers", "ranks"),
+        slots=get("slots", "slots"),
+        requests=get("requests", "requests"),
+        cascades=get("cascades", "cascades"),
+        failures=not getattr(args, "no_failures", False),
+        drain=DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING,
+        liveness=liveness,
+    )
+
+
+def run_spin_check(args: argparse.Namespace) -> int:
+    """``kvfsm check --engine spin``: the safety run, then (unless --no-liveness) the liveness run."""
+    from kvfsm.check.spin import run_spin
+
+    refused = [
+        "--" + name.replace("_", "-")
+        for name in NOT_FOR_SPIN
+        if getattr(args, name, None) is not None and getattr(args, name, None) is not False
+    ]
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
+            "--slots, --jobs, --cascades, --drain, --no-failures, --no-liveness, --bitstate with --engine spin"
+        )
+    runs = [False] if args.no_liveness else [False, True]
+    results = []
+    for liveness in runs:
+        bounds = promela_bounds_from(args, liveness=liveness)
+        results.append(run_spin(bounds, bitstate=bool(args.bitstate)))
+    if args.json:
+        json.dump([r.summary() for r in results], sys.stdout, indent=2)
+        print()
+    else:
+        for r in results:
+            what = "liveness (LTL, weak fairness)" if r.liveness else "safety assertions"
+            print(
+                f"spin {what}{', bitstate' if r.bitstate else ''}: {_promela_bounds_text(r.bounds.as_dict())}: "
+                f"errors: {r.errors}, {r.states:,} states stored, {r.transitions:,} transitions in {r.seconds:.2f} s "
+                f"({r.states_per_second:,.0f} states/s), depth {r.depth:,}"
+                + ("" if r.complete else ", search incomplete")
+                + (f"; violated: {', '.join(r.violated)}" if r.violated else "")
+            )
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _promela_bounds_text(d: dict[str, object]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
 def explore_options_given(args: argparse.Namespace) -> list[str]:
@@ -213,6 +336,14 @@ def progress_display(enabled: bool, stream: TextIO = sys.stderr) -> Iterator[Pro
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", None) == "spin":
+        return run_spin_check(args)
+    if (
+        getattr(args, "bitstate", False)
+        or getattr(args, "jobs", None) is not None
+        or getattr(args, "cascades", None) is not None
+    ):
+        raise ConfigError("--bitstate, --jobs and --cascades apply to the generated Promela model; add --engine spin")
     bounds = bounds_from(args)
     max_states = 0 if args.max_states is None else args.max_states
     if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:

@@ -1,0 +1,200 @@
+"""SPIN on the Promela model generated from spec/ (kvfsm.check.promela, kvfsm.check.spin).
+
+Real SPIN 6.5 and a real C compiler, never a stand-in: without ``spin`` on PATH every test here is skipped with
+the install hint. The generated model must verify clean; the #42611 blocking drain must be found unresponsive;
+every planted bug of tests/planted_bugs.py that the generated composition can express must be found by SPIN
+*and* by the native checker, with the same invariant named; a bitstate run must report its states and rate.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from planted_bugs import PLANTED_BUGS
+
+from kvfsm.check import Bounds, Model, explore
+from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
+from kvfsm.check.properties import DrainMode, load_properties
+from kvfsm.check.spin import INSTALL_HINT, parse_pan, run_spin
+from kvfsm.cli import main as cli_main
+from kvfsm.machines import engine_machine, job_machine
+from kvfsm.machines.compiled import CompiledEdge
+from kvfsm.machines.loader import load_invariants
+
+needs_spin = pytest.mark.skipif(
+    shutil.which("spin") is None or (shutil.which("gcc") or shutil.which("cc")) is None,
+    reason=f"SPIN or a C compiler is missing; {INSTALL_HINT}",
+)
+
+#: planted bug -> the property both checkers report for it.
+EXPRESSIBLE: dict[str, str] = {
+    "partial_acks_ignored": "pending_work_covers_jobs",
+    "idle_with_manager_work": "pending_work_covers_jobs",
+    "readable_on_first_ack": "readable_only_after_commit",
+    "evict_reading_slot": "evict_only_ready_unreferenced",
+}
+#: planted bug -> why the generated composition cannot express it (spec/README.md, "SPIN export").
+NOT_EXPRESSIBLE: dict[str, str] = {
+    "fence_flush_skipped": "the composition has no GPU block groups, so no fences for fenced_jobs to flush",
+    "reset_keeps_stale_threshold": "the composition has no reset_cache, so no stale threshold",
+}
+
+
+def test_every_planted_bug_is_classified() -> None:
+    assert set(EXPRESSIBLE) | set(NOT_EXPRESSIBLE) == set(PLANTED_BUGS)
+    assert not set(EXPRESSIBLE) & set(NOT_EXPRESSIBLE)
+
+
+def test_generated_model_names_every_spec_state() -> None:
+    text = generate()
+    for state in ("J_in_flight", "S_reading", "R_finished_signalled", "E_draining"):
+        assert state in text
+    assert "inline job_ack(i, arg)" in text and "G_job_last_ack_clean" in text
+
+
+@needs_spin
+def test_clean_model_verifies() -> None:
+    safety = run_spin(PromelaBounds(), optimize=False)
+    assert safety.ok, safety.report
+    assert safety.errors == 0 and safety.violated == ()
+    assert safety.states > 1000 and safety.states_per_second > 0
+    live = run_spin(PromelaBounds(liveness=True), optimize=False)
+    assert live.ok, live.report
+
+
+@needs_spin
+def test_blocking_drain_is_unresponsive() -> None:
+    r = run_spin(PromelaBounds(drain=DrainMode.BLOCKING), optimize=False)
+    assert r.errors == 1
+    assert r.violated == ("responsiveness",)
+
+
+@needs_spin
+@pytest.mark.parametrize("name", sorted(EXPRESSIBLE))
+def test_spin_and_native_checker_agree_on_planted_bug(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with PLANTED_BUGS[name](monkeypatch):
+        spin = run_spin(PromelaBounds(), optimize=False)
+        native = explore(Bounds(), model=Model(Bounds()), keep_graph=False, check_liveness=False)
+    assert spin.errors == 1, spin.report
+    assert native.violations, f"the native checker missed {name}"
+    assert spin.violated == (EXPRESSIBLE[name],)
+    assert native.violations[0].invariant == EXPRESSIBLE[name]
+
+
+@needs_spin
+@pytest.mark.parametrize("name", sorted(NOT_EXPRESSIBLE))
+def test_planted_bug_outside_the_composition_is_not_seen(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents the gap: if one of these starts failing, the composition grew and EXPRESSIBLE should too."""
+    with PLANTED_BUGS[name](monkeypatch):
+        r = run_spin(PromelaBounds(), optimize=False)
+    assert r.ok, NOT_EXPRESSIBLE[name]
+
+
+@needs_spin
+def test_bitstate_run_reports_states_and_rate() -> None:
+    # J=3 jobs, 3 requests, 2 slots, 2 cascades, W=2: about 1.2M states exhaustively; bitstate holds them in 32 MiB.
+    b = PromelaBounds(jobs=3, ranks=2, slots=2, requests=3, cascades=2)
+    r = run_spin(b, bitstate=True, hash_bits=28)
+    assert r.errors == 0 and r.complete, r.report
+    assert r.bitstate and r.states > 500_000 and r.states_per_second > 0
+
+
+@needs_spin
+def test_cli_check_engine_spin(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check", "--engine", "spin", "--no-liveness"]) == 0
+    out = capsys.readouterr().out
+    assert "spin safety assertions" in out and "errors: 0" in out and "states/s" in out
+    assert cli_main(["check", "--engine", "spin", "--drain", "blocking", "--no-liveness"]) == 1
+    assert "violated: responsiveness" in capsys.readouterr().out
+
+
+def test_cli_refuses_native_only_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check", "--engine", "spin", "--prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompts" in err and len(err.strip().splitlines()) == 1
+    assert cli_main(["check", "--bitstate"]) == 2
+    assert "--engine spin" in capsys.readouterr().err
+
+
+def test_cli_export_promela(tmp_path: Path) -> None:
+    out = tmp_path / "kvfsm.pml"
+    assert cli_main(["export", "promela", "--jobs", "3", "--ranks", "2", "-o", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "#define J 3" in text and "mtype = {" in text
+
+
+def test_missing_spin_is_one_line_with_the_install_hint(tmp_path: Path) -> None:
+    # A real run of the command line with a PATH that holds no spin.
+    code = "import sys; from kvfsm.cli import main; sys.exit(main(['check', '--engine', 'spin']))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": str(tmp_path)}, check=False
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"kvfsm: error: spin is not on PATH; {INSTALL_HINT}"]
+
+
+@contextmanager
+def _plant_commit_on_first_ack() -> Iterator[None]:
+    """A planted *table row* (not a guard): in_flight --ack [acks_still_pending]--> complete / commit."""
+    bad = (
+        CompiledEdge("acks_still_pending", "complete", "commit"),
+        CompiledEdge("last_ack_clean", "complete", "commit"),
+        CompiledEdge("last_ack_after_failure", "failed", "release"),
+    )
+    with ExitStack() as stack:
+        for args in ((), (None,), (False,), (True,)):
+            stack.enter_context(job_machine(*args).planted(table_edits={("in_flight", "ack"): bad}))
+        yield
+
+
+@needs_spin
+def test_spin_and_native_checker_agree_on_planted_table_row() -> None:
+    with _plant_commit_on_first_ack():
+        assert "G_job_acks_still_pending" in generate()
+        spin = run_spin(PromelaBounds(), optimize=False)
+        native = explore(Bounds(), model=Model(Bounds()), keep_graph=False, check_liveness=False)
+    assert spin.violated == ("readable_only_after_commit",), spin.report
+    assert native.violations and native.violations[0].invariant == "readable_only_after_commit"
+
+
+@needs_spin
+def test_spin_and_native_checker_agree_on_draining_forever() -> None:
+    """A planted engine guard pair that never lets the engine settle idle: a liveness bug, found by SPIN's LTL
+    claim under weak fairness and by the native checker's reverse-reachability check."""
+    never_idle = {"no_pending_push_work": lambda m, a: False, "pending_push_work": lambda m, a: True}
+    with engine_machine().planted(guards=never_idle):
+        safety = run_spin(PromelaBounds(jobs=1, requests=1), optimize=False)
+        live = run_spin(PromelaBounds(jobs=1, requests=1, liveness=True), optimize=False)
+        tiny = Bounds(requests=1, prompts=1, chunks=1, workers=2, slots=1, groups=1, tiers=0, resets=0, preemptions=0)
+        native = explore(tiny, model=Model(tiny), keep_graph=True, check_liveness=True)
+    assert safety.ok, safety.report  # no invariant breaks: only the path property does
+    assert live.violated == ("liveness",), live.report
+    assert [v.invariant for v in native.violations] == ["liveness"]
+
+
+def test_every_asserted_property_is_named_in_the_spec() -> None:
+    names = {i.name for i in load_invariants()} | {p.name for p in load_properties()}
+    assert set(PROPERTIES) <= names
+    text = generate(PromelaBounds(liveness=True))
+    for name in PROPERTIES:
+        assert f"violated_{name}" in text
+    assert "ltl liveness" in text
+
+
+def test_parse_pan_reads_large_counts() -> None:
+    report = (
+        "State-vector 180 byte, depth reached 1803, errors: 0\n"
+        " 39505009 states, stored\n"
+        "2.1582e+08 transitions (= stored+matched)\n"
+        "pan: elapsed time 316 seconds\n"
+        "pan: rate 125087.37 states/second\n"
+    )
+    r = parse_pan(report, PromelaBounds(), bitstate=True)
+    assert (r.states, r.transitions, r.errors, r.depth) == (39_505_009, 215_820_000, 0, 1803)
+    assert r.seconds == 316.0 and round(r.states_per_second) == 125_087 and r.complete
