@@ -383,3 +383,9 @@ def test_bounded_shutdown_with_a_copy_that_never_finishes(model_dir: Path) -> No
     assert not rig.connector.has_pending_push_work()
     assert sched.stats.timed_out_stores >= 1 and sched.stats.quarantine_abandoned >= 1
     assert rig.held()  # the scheduler did not wait: the copy is still held on its copy thread
+    # Let the held copy go and stop the workers: a copy thread left blocked at its gate would keep the
+    # interpreter from exiting (the thread pool joins its threads at exit).
+    for backend in rig.backends:
+        backend.copy_gate.open()
+    for worker in rig.workers:
+        worker.shutdown()
