@@ -1344,7 +1344,8 @@ class Model:
         completed: dict[int, list[int]] = {}
         failed: dict[int, list[int]] = {}
         reported: dict[int, int] = {}  # job -> its reported_mask before this poll
-        order = sorted(range(len(w.jobs)), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS]))
+        n = len(w.jobs)
+        order = sorted(range(n), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS])) if n > 1 else range(n)
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
@@ -1696,21 +1697,8 @@ class Model:
         keyed = []
         for n, job in enumerate(jobs):
             shards = tuple(job.shards[w] for w in wperm) if swap else job.shards
-            keyed.append(
-                (
-                    job.kind,
-                    job.keys,
-                    rmap[job.req],
-                    gmap.get(job.group, _FREE_GROUP),
-                    job.state,
-                    job.pending,
-                    job.failed_reports,
-                    shards,
-                    job.ignored,
-                    job.expired,
-                    n,
-                )
-            )
+            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n)
+            keyed.append((*job[:2], rmap[job[2]], gmap.get(job[3], _FREE_GROUP), *job[4:7], shards, job[8], job[10], n))
         keyed.sort()
         jorder = [k[-1] for k in keyed]
         for k in keyed:
