@@ -287,3 +287,11 @@ def test_cli_check_replay_drives_the_implementation_along_the_counterexample(
     out = capsys.readouterr().out
     assert "the implementation follows the stale_ids_ignored counterexample for 4 events" in out
     assert "UnknownJobError" in out
+
+
+def test_default_bounds_graph_is_pinned() -> None:
+    # The explored graph at the default bounds, pinned: a speed-up of the checker (issue 11) must explore
+    # exactly the same canonical states and edges, with the same verdict.
+    result = explore(Bounds(), keep_graph=False, check_liveness=False)
+    assert (result.states, result.edges, result.pruned) == (90_029, 337_276, 0)
+    assert result.ok and result.complete and result.responsiveness_checks == 628

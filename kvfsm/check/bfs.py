@@ -261,14 +261,15 @@ def explore(
                     return finish(False, False)
                 continue
             # A known state is its own canonical form (canonical() is idempotent): skip the renumbering.
+            # One hash of the canonical form: setdefault looks it up and inserts it at once.
             sid = ids.get(nxt)
-            c = nxt
+            new = False
             if sid is None:
                 c = canonical(nxt)
-                sid = ids.get(c)
-            new = sid is None
-            if sid is None:
-                sid = ids[c] = len(states)
+                n = len(states)
+                sid = ids.setdefault(c, n)
+                new = sid == n
+            if new:
                 states.append(c)
                 parent.append(i)
                 parent_label.append(label_id(label))

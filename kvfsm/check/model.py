@@ -597,9 +597,7 @@ class Model:
     def quarantine_pending(self, jobs: Sequence[Any]) -> bool:
         """The scheduler's quarantine term: a timed-out job whose launched copies have not all reported."""
         return any(
-            j[_J_STATE] is JobState.TIMED_OUT
-            and not j[_J_IGNORED]
-            and any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
+            j[_J_STATE] is JobState.TIMED_OUT and not j[_J_IGNORED] and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
             for j in jobs
         )
 
@@ -790,12 +788,13 @@ class Model:
         return used
 
     def _copy_done(self, s: State, j: int, w: int, ok: bool) -> State:
-        job = s.jobs[j]
-        shards = list(job.shards)
-        shards[w] = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
-        jobs = list(s.jobs)
-        jobs[j] = job._replace(shards=tuple(shards))
-        return s._replace(jobs=tuple(jobs))
+        # Built with tuple.__new__ rather than _replace: this is the checker's most frequent edge.
+        jobs = s.jobs
+        job = jobs[j]
+        shards = job.shards
+        value = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
+        new_job = _new(JobRec, (*job[:_J_SHARDS], (*shards[:w], value, *shards[w + 1 :]), *job[_J_SHARDS + 1 :]))
+        return _new(State, (s[0], s[1], (*jobs[:j], new_job, *jobs[j + 1 :]), *s[3:]))
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
         """The tier's I/O for cascade ``c`` ends (ok or failed)."""
@@ -803,17 +802,17 @@ class Model:
         rec = tier[c]
         if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
             if ok and self._durable(rec.tier) and not rec.promote:
-                tier[c] = rec._replace(status=SYNCING)
+                tier[c] = _new(TierRec, (rec[0], SYNCING, *rec[2:]))
             else:
                 del tier[c]
         else:
-            tier[c] = rec._replace(status=DONE_OK if ok else DONE_FAIL)
+            tier[c] = _new(TierRec, (rec[0], DONE_OK if ok else DONE_FAIL, *rec[2:]))
         if ok and s.held and not rec.promote:  # the tier now holds a copy of the cascaded keys
             held = list(s.held)
             for key in rec.keys:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
-        return s._replace(tier=tuple(tier))
+        return _new(State, (*s[:5], tuple(tier), *s[6:]))
 
     def _expire(self, s: State, j: int) -> State:
         """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
@@ -832,7 +831,7 @@ class Model:
         )[0]
         i = job[_J_REQ]
         job[_J_REQ] = -1
-        if not any(sh in _UNREPORTED_COPIES for sh in shards):
+        if _UNREPORTED_COPIES.isdisjoint(shards):
             self._release(w, job)
         if (
             i >= 0
@@ -891,7 +890,7 @@ class Model:
             if (
                 job[_J_STATE] is JobState.TIMED_OUT
                 and not job[_J_IGNORED]
-                and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+                and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
                 self._release(w, job)
                 job[_J_SHARDS] = tuple(REPORTED if sh != UNLAUNCHED else sh for sh in job[_J_SHARDS])
@@ -1345,7 +1344,8 @@ class Model:
         completed: dict[int, list[int]] = {}
         failed: dict[int, list[int]] = {}
         reported: dict[int, int] = {}  # job -> its reported_mask before this poll
-        order = sorted(range(len(w.jobs)), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS]))
+        n = len(w.jobs)
+        order = sorted(range(n), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS])) if n > 1 else range(n)
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
@@ -1406,7 +1406,7 @@ class Model:
             if (
                 job[_J_STATE] is JobState.TIMED_OUT
                 and not job[_J_IGNORED]
-                and not any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS])
+                and _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
                 self._release(w, job)  # the last launched copy reported: release
 
@@ -1453,9 +1453,7 @@ class Model:
         """Drop records nobody needs any more, renumber positions, and freeze."""
         jobs = w.jobs
         keep_jobs = [
-            n
-            for n, j in enumerate(jobs)
-            if j[_J_STATE] in _LIVE or any(sh in _UNREPORTED_COPIES for sh in j[_J_SHARDS])
+            n for n, j in enumerate(jobs) if j[_J_STATE] in _LIVE or not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
         ]
         if len(keep_jobs) != len(jobs):
             w.jobs = [jobs[n] for n in keep_jobs]
@@ -1498,7 +1496,7 @@ class Model:
             w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
-            if job[_J_STATE] is JobState.TIMED_OUT and any(sh in _UNREPORTED_COPIES for sh in job[_J_SHARDS]):
+            if job[_J_STATE] is JobState.TIMED_OUT and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS]):
                 job[_J_IGNORED] = ignored  # quarantined: flushed like every other stale job
                 w.reset_flush = True
             if job[_J_STATE] in _LIVE:
@@ -1553,7 +1551,7 @@ class Model:
         stale_busy = False
         fresh_busy = False
         for job in s.jobs:
-            busy = any(sh in _BUSY for sh in job.shards)
+            busy = not _BUSY.isdisjoint(job.shards)
             copying = COPYING in job.shards or REPORTED_COPYING in job.shards
             if job.state is JobState.STALE or job.ignored:
                 stale_busy = stale_busy or copying
@@ -1610,7 +1608,7 @@ class Model:
                     readers[key] = readers.get(key, 0) + 1
         if readers:
             for job in s.jobs:
-                if job.kind == LOAD and job.state is not JobState.STALE and any(sh in _BUSY for sh in job.shards):
+                if job.kind == LOAD and job.state is not JobState.STALE and not _BUSY.isdisjoint(job.shards):
                     for key in job.keys:
                         readers[key] = readers.get(key, 0) + 1
             for key, n in readers.items():
@@ -1675,7 +1673,10 @@ class Model:
         jobs = s.jobs
         W = self.W
         wperm = list(range(W))
-        if W > 1 and jobs:
+        if W > 1 and len(jobs) == 1:
+            # One job: the ranks ordered by their shard (what the general case below computes, cheaper).
+            wperm = sorted(range(W), key=jobs[0].shards.__getitem__)
+        elif W > 1 and jobs:
             # Order the jobs without looking at which rank holds which shard, then the ranks by their
             # column of shards in that order.
             pre = sorted(
@@ -1696,21 +1697,8 @@ class Model:
         keyed = []
         for n, job in enumerate(jobs):
             shards = tuple(job.shards[w] for w in wperm) if swap else job.shards
-            keyed.append(
-                (
-                    job.kind,
-                    job.keys,
-                    rmap[job.req],
-                    gmap.get(job.group, _FREE_GROUP),
-                    job.state,
-                    job.pending,
-                    job.failed_reports,
-                    shards,
-                    job.ignored,
-                    job.expired,
-                    n,
-                )
-            )
+            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n)
+            keyed.append((*job[:2], rmap[job[2]], gmap.get(job[3], _FREE_GROUP), *job[4:7], shards, job[8], job[10], n))
         keyed.sort()
         jorder = [k[-1] for k in keyed]
         for k in keyed:
