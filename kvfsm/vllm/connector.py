@@ -14,6 +14,9 @@ What crosses between them is plain data (spec/README.md, "The scheduler/worker b
 :class:`~kvfsm.control.messages.StepMessage` down, one :class:`~kvfsm.control.messages.RankReport` per worker
 up (in vLLM's ``kv_connector_worker_meta``, aggregated over the workers by vLLM).
 
+KV cache events: with vLLM's ``kv_events_config.enable_kv_cache_events`` the connector publishes the CPU tier's
+stores and evictions as vLLM's ``OffloadingConnector`` does (:class:`VllmEventTranslator`).
+
 ``kv_connector_extra_config`` keys (any other key is a :class:`~kvfsm.errors.ConfigError` naming it):
 
 ================== ======================================================================================
