@@ -14,6 +14,9 @@ What crosses between them is plain data (spec/README.md, "The scheduler/worker b
 :class:`~kvfsm.control.messages.StepMessage` down, one :class:`~kvfsm.control.messages.RankReport` per worker
 up (in vLLM's ``kv_connector_worker_meta``, aggregated over the workers by vLLM).
 
+KV cache events: with vLLM's ``kv_events_config.enable_kv_cache_events`` the connector publishes the CPU tier's
+stores and evictions as vLLM's ``OffloadingConnector`` does (:class:`VllmEventTranslator`).
+
 ``kv_connector_extra_config`` keys (any other key is a :class:`~kvfsm.errors.ConfigError` naming it):
 
 ================== ======================================================================================
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import override
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -45,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvfsm.control.config import OffloadConfig
@@ -52,6 +57,7 @@ from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.deadlines import Deadlines, run_bounded
 from kvfsm.control.messages import RankReport, RemoteWorker, StepMessage, StepResult
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
+from kvfsm.control.types import OffloadingEvent, OffloadKey
 from kvfsm.control.worker import OffloadingWorker
 from kvfsm.errors import ConfigError, KvfsmError
 from kvfsm.machines.names import RequestState
@@ -71,9 +77,19 @@ if TYPE_CHECKING:
 
     from kvfsm.data.worker import BackendFactory
 
-__all__ = ["KvfsmConnector", "KvfsmConnectorMetadata", "KvfsmSettings", "KvfsmWorkerMetadata", "parse_settings"]
+__all__ = [
+    "KvfsmConnector",
+    "KvfsmConnectorMetadata",
+    "KvfsmSettings",
+    "KvfsmWorkerMetadata",
+    "VllmEventTranslator",
+    "parse_settings",
+]
 
 logger = logging.getLogger(__name__)
+
+#: vLLM's ``ExternalBlockHash``: the hash bytes, or an int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``.
+ExternalHash = bytes | int
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -226,6 +242,78 @@ def scheduler_output_of(output: VllmSchedulerOutput) -> SchedulerOutput:
     )
 
 
+# ---------------------------------------------------------------------------------------------- KV events
+
+
+def _block_hash(key: OffloadKey) -> ExternalHash:
+    """The block hash inside an offload key (kvfsm's keys are vLLM's: hash bytes + 4-byte group index)."""
+    converted: ExternalHash = maybe_convert_block_hash(BlockHash(key[:-4]))
+    return converted
+
+
+def _group_idx(key: OffloadKey) -> int:
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+class VllmEventTranslator:
+    """kvfsm's :class:`~kvfsm.control.types.OffloadingEvent` stream as vLLM's KV cache events, as vLLM 0.33's
+    ``OffloadingConnector`` emits them without self-describing events: one placeholder ``BlockStored`` per
+    stored key (its block hash, ``medium="CPU"``, its group, no tokens), one ``BlockRemoved`` per group of an
+    eviction, and nothing for a ``metadata_only`` removal (a failed store's keys, never announced as stored).
+
+    It remembers which keys it announced, so that :meth:`clear` can withdraw them all: vLLM's connector
+    emits nothing on ``reset_cache`` and leaves subscribers believing the CPU tier still holds them;
+    kvfsm emits a ``BlockRemoved`` for each announced key instead (``AllBlocksCleared`` carries no medium, so
+    a subscriber would drop its GPU-tier entries too).
+    """
+
+    __slots__ = ("_announced", "_medium")
+
+    def __init__(self, medium: str = MEDIUM_CPU) -> None:
+        self._medium = medium
+        self._announced: dict[OffloadKey, None] = {}
+
+    @property
+    def announced(self) -> frozenset[OffloadKey]:
+        """Keys announced as stored and not removed since."""
+        return frozenset(self._announced)
+
+    def translate(self, events: Iterable[OffloadingEvent]) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        for event in events:
+            if not event.removed:
+                for key in event.keys:
+                    self._announced[key] = None
+                    out.append(
+                        BlockStored(
+                            block_hashes=[_block_hash(key)],
+                            parent_block_hash=None,
+                            token_ids=[],
+                            block_size=0,
+                            lora_id=None,
+                            medium=self._medium,
+                            lora_name=None,
+                            group_idx=_group_idx(key),
+                        )
+                    )
+            elif not event.metadata_only:
+                for key in event.keys:
+                    self._announced.pop(key, None)
+                out.extend(self._removed(event.keys))
+        return out
+
+    def clear(self) -> list[KVCacheEvent]:
+        """Withdraw every announced key (the manager dropped them all)."""
+        keys, self._announced = tuple(self._announced), {}
+        return self._removed(keys)
+
+    def _removed(self, keys: Iterable[OffloadKey]) -> list[KVCacheEvent]:
+        by_group: dict[int, list[ExternalHash]] = {}
+        for key in keys:
+            by_group.setdefault(_group_idx(key), []).append(_block_hash(key))
+        return [BlockRemoved(block_hashes=hashes, medium=self._medium, group_idx=g) for g, hashes in by_group.items()]
+
+
 # ---------------------------------------------------------------------------------------------- the connector
 
 
@@ -252,8 +340,15 @@ class KvfsmConnector(KVConnectorBase_V1):
         #: copy threads)``; kvfsm's default picks the CUDA backend for CUDA caches, else the thread pool.
         self.backend_factory: BackendFactory | None = None
         self._result: StepResult | None = None
+        # KV cache events, as vLLM's connector: on when vLLM's kv_events_config enables them.
+        events_config = vllm_config.kv_events_config
+        self.events_enabled = events_config is not None and bool(events_config.enable_kv_cache_events)
+        self._events = VllmEventTranslator()
+        self._pending_events: list[KVCacheEvent] = []
         if role == KVConnectorRole.SCHEDULER:
-            manager = CPUOffloadingManager(self.settings.num_slots, self.settings.policy, enable_events=False)
+            manager = CPUOffloadingManager(
+                self.settings.num_slots, self.settings.policy, enable_events=self.events_enabled
+            )
             self.scheduler = OffloadingScheduler(self.config, manager, deadlines=self.settings.deadlines)
 
     # ------------------------------------------------------------------ scheduler side
@@ -317,12 +412,24 @@ class KvfsmConnector(KVConnectorBase_V1):
         return self._sched().has_pending_push_work()
 
     @override
-    def take_events(self) -> Iterable[Any]:
-        return ()
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM's KV cache events since the last call (see :class:`VllmEventTranslator`)."""
+        sched = self._sched()
+        if not self.events_enabled:
+            return ()
+        events, self._pending_events = self._pending_events, []
+        events.extend(self._events.translate(sched.take_events()))
+        return events
 
     @override
     def reset_cache(self) -> bool | None:
-        self._sched().reset_cache()
+        sched = self._sched()
+        if self.events_enabled:
+            # The reset discards undrained events: translate them first, then withdraw every announced key.
+            self._pending_events.extend(self._events.translate(sched.take_events()))
+        sched.reset_cache()
+        if self.events_enabled:
+            self._pending_events.extend(self._events.clear())
         return True
 
     # ------------------------------------------------------------------ worker side

@@ -29,7 +29,15 @@ from typing_extensions import override
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -125,6 +133,8 @@ class Rig:
     device: str = field(default_factory=lambda: os.environ.get("KVFSM_VLLM_DEVICE", "cpu"))
     #: Hold every copy at a CopyGate until the test releases it (else copies run freely).
     gated: bool = True
+    #: vLLM's ``kv_events_config.enable_kv_cache_events`` (null publisher: tests record what is published).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         #: ("store" | "load" | "flush", rank, job id) and ("forward", -1, step), in the order they happened.
@@ -208,6 +218,7 @@ class Rig:
                 kv_connector_extra_config={"num_slots": self.num_slots, **self.extra},
             ),
             device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if self.kv_events else None,
         )
 
     # ------------------------------------------------------------------ requests
