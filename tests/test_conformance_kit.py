@@ -24,9 +24,8 @@ from kvfsm.control.manager import JobResult, SecondaryTier, TierJob
 from kvfsm.control.types import OffloadKey
 from kvfsm.machines.names import SlotState
 from kvfsm.testing import SecondaryTierStateMachine
-from kvfsm.testing.stateful import KitSlotIO
+from kvfsm.testing.stateful import FaultPlanHeldTierMachine, KitSlotIO
 from kvfsm.tiers.blockfile import decode
-from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.tiers.fs import FileSystemTier
 from kvfsm.tiers.memory import InMemoryTier
 
@@ -103,20 +102,18 @@ TestAutocompleteInMemoryTier = AutocompleteInMemoryTierMachine.TestCase
 TestAutocompleteInMemoryTier.settings = _profile()
 
 
-class FileSystemTierMachine(SecondaryTierStateMachine):
+class FileSystemTierMachine(FaultPlanHeldTierMachine):
     """kvfsm's FileSystemTier on a fresh directory, with its real I/O threads. Every file and slot
     operation is held in flight on those threads (a HANG fault on every operation) until the kit's
     ``io_runs`` rule or a drain lets it run, so every other rule and every check runs with real I/O
     queued or running, deterministically."""
 
     durable: ClassVar[bool] = False
-    holds_io = True
     checks_copies = True
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="kvfsm-kit-fs-"))
-        self.plan = FaultPlan([FaultRule("*", FaultKind.HANG)])
 
     @override
     def make_tier(self, slot_io: KitSlotIO) -> SecondaryTier:
@@ -131,15 +128,6 @@ class FileSystemTierMachine(SecondaryTierStateMachine):
             write_threads=1,
             checked=True,
         )
-
-    @override
-    def hold_io(self, tier: SecondaryTier) -> None:
-        self.plan.enabled = True
-
-    @override
-    def let_io_run(self, tier: SecondaryTier) -> None:
-        self.plan.enabled = False
-        self.plan.release_hangs()
 
     @override
     def wait_io(self, tier: SecondaryTier) -> None:

@@ -34,8 +34,7 @@ from kvfsm.control.manager import SecondaryTier
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import LookupResult, OffloadKey, ReqContext
 from kvfsm.errors import ConfigError
-from kvfsm.testing import SecondaryTierStateMachine
-from kvfsm.testing.stateful import KitSlotIO
+from kvfsm.testing.stateful import FaultPlanHeldTierMachine, KitSlotIO
 from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 from kvfsm.tiers.slotio import DictSlotIO
 
@@ -283,19 +282,17 @@ def test_backpressure_fails_cascades_beyond_the_bound_and_keeps_their_cpu_copies
 # ---------------------------------------------------------------------------------------------- conformance
 
 
-class RedisTierMachine(SecondaryTierStateMachine):
+class RedisTierMachine(FaultPlanHeldTierMachine):
     """The Redis tier on a real server, every network and slot operation held in flight on the tier's own
     threads until the kit lets it run. Every example has a namespace of its own. A successful cascade must
     have put exactly the key's bytes on the server (a missing value is a violation: the test server has
     no eviction)."""
 
-    holds_io = True
     checks_copies = True
     cluster: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.plan = FaultPlan([FaultRule("*", FaultKind.HANG)])
         self.ns = namespace()
         self.url = session_cluster().url if self.cluster else session_server().url
         self._reader: Any = session_cluster().cluster_client() if self.cluster else session_server().client()
@@ -312,15 +309,6 @@ class RedisTierMachine(SecondaryTierStateMachine):
             write_threads=1,
             op_timeout_s=GUARD_S,
         )
-
-    @override
-    def hold_io(self, tier: SecondaryTier) -> None:
-        self.plan.enabled = True
-
-    @override
-    def let_io_run(self, tier: SecondaryTier) -> None:
-        self.plan.enabled = False
-        self.plan.release_hangs()
 
     @override
     def wait_io(self, tier: SecondaryTier) -> None:

@@ -37,7 +37,9 @@ never from state a tier changes in the background, so an asynchronous tier canno
 A tier that does real I/O on its own threads can be run with that I/O held in flight, deterministically:
 set :attr:`~SecondaryTierStateMachine.holds_io` and override :meth:`~SecondaryTierStateMachine.hold_io`
 (hold every I/O operation from now on, e.g. with a HANG fault), :meth:`~SecondaryTierStateMachine.let_io_run`
-(stop holding it) and :meth:`~SecondaryTierStateMachine.wait_io` (block until the tier's I/O is idle). Its
+(stop holding it) and :meth:`~SecondaryTierStateMachine.wait_io` (block until the tier's I/O is idle). A tier
+that consults a :class:`~kvfsm.tiers.faults.FaultPlan` at every I/O operation gets the first two from
+:class:`FaultPlanHeldTierMachine`: build the tier with ``faults=self.plan``. Its
 I/O then runs only in the ``io_runs`` rule and inside ``drain_jobs`` (which must still finish every job
 itself); every other rule, and every check, sees it queued or running on the real threads. Override
 :meth:`~SecondaryTierStateMachine.io_pending` to give the machine the tier's own ground truth (work queued or
@@ -70,8 +72,9 @@ from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import LookupResult, OffloadingEvent, OffloadKey, ReqContext, make_offload_key
 from kvfsm.machines.names import SlotState
 from kvfsm.testing.coverage import TransitionLog
+from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
 
-__all__ = ["KitSlotIO", "RecordingTier", "SecondaryTierStateMachine", "key_content"]
+__all__ = ["FaultPlanHeldTierMachine", "KitSlotIO", "RecordingTier", "SecondaryTierStateMachine", "key_content"]
 
 _CTX = ReqContext("kvfsm-conformance")
 
@@ -519,3 +522,25 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
                 self.manager.shutdown()
         finally:
             self.log.uninstall()
+
+
+class FaultPlanHeldTierMachine(SecondaryTierStateMachine):
+    """For a tier that consults a :class:`~kvfsm.tiers.faults.FaultPlan` at every I/O operation: ``self.plan``
+    hangs every operation while it is enabled, so holding the tier's I/O is enabling the plan and letting it
+    run is disabling it and releasing the hung operations. Build the tier with ``faults=self.plan``; still
+    override :meth:`make_tier` and :meth:`wait_io`."""
+
+    holds_io: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan = FaultPlan([FaultRule("*", FaultKind.HANG)])
+
+    @override
+    def hold_io(self, tier: SecondaryTier) -> None:
+        self.plan.enabled = True
+
+    @override
+    def let_io_run(self, tier: SecondaryTier) -> None:
+        self.plan.enabled = False
+        self.plan.release_hangs()
