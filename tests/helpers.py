@@ -1,6 +1,7 @@
 """Shared test utilities.
 
-Control plane (no torch): :class:`FakeRequest`, :class:`LoopbackWorkers`, :func:`tokens`, :func:`keys_of`.
+Control plane (no torch): :class:`FakeRequest`, :class:`LoopbackWorkers`, :func:`tokens`, :func:`keys_of`,
+:func:`defect_search` (the Hypothesis settings of a search for a planted defect).
 
 Data plane and engine (torch, imported lazily so that control-plane tests never import torch):
 :class:`GatedBackend` (a real :class:`~kvfsm.data.backend.ThreadPoolCopyBackend` whose submissions are held
@@ -22,6 +23,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from hypothesis import HealthCheck, Phase, settings
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
@@ -56,6 +59,22 @@ DEADLOCK_GUARD_S = 60.0
 
 
 # ---------------------------------------------------------------------------------------------- control
+
+
+def defect_search(max_examples: int, steps: int = 30, **extra: Any) -> settings:
+    """Settings of a search for a planted defect: derandomized, generation only, the first failure reported,
+    no health checks (a planted machine may be slow or filter much), no database to replay from."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        phases=[Phase.generate],
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        **extra,
+    )
 
 
 def tokens(seed: str, n: int, vocab: int = 32000) -> list[int]:

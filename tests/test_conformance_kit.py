@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from helpers import defect_search
+from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from typing_extensions import override
 
@@ -47,16 +48,7 @@ def _finds_defect(machine: type[RuleBasedStateMachine], match: str, max_examples
     with pytest.raises(Exception, match=match):
         run_state_machine_as_test(
             machine,
-            settings=settings(
-                max_examples=max_examples,
-                stateful_step_count=30,
-                database=None,
-                derandomize=True,
-                deadline=None,
-                phases=[Phase.generate],
-                report_multiple_bugs=False,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=defect_search(max_examples, 30),
         )
 
 

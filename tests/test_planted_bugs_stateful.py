@@ -23,7 +23,7 @@ import sys
 from typing import ClassVar
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from helpers import defect_search
 from hypothesis.errors import HypothesisException, StopTest
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from planted_bugs import DATA_PLANE_LIES, OUTSIDE_LIES, PENDING_TERM_MUTANTS, PLANTED_BUGS
@@ -104,17 +104,7 @@ def _find(
     with pytest.raises(Exception) as info:
         run_state_machine_as_test(
             counted,
-            settings=settings(
-                max_examples=max_examples,
-                stateful_step_count=steps,
-                database=None,
-                derandomize=True,
-                deadline=None,
-                phases=[Phase.generate],
-                report_multiple_bugs=False,
-                suppress_health_check=list(HealthCheck),
-                print_blob=False,
-            ),
+            settings=defect_search(max_examples, steps, print_blob=False),
         )
     first = counted.first_failure  # type: ignore[attr-defined]
     assert first is not None, f"{name}: Hypothesis raised {info.value!r} but no example failed"

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from helpers import defect_search
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from redis_support import (
@@ -401,16 +402,7 @@ def test_the_conformance_machine_catches_a_tier_that_reports_writes_it_never_mad
     with pytest.raises(Exception, match="holds no committed bytes"):
         run_state_machine_as_test(
             _EarlyReportingRedisTierMachine,
-            settings=settings(
-                max_examples=200,
-                stateful_step_count=30,
-                database=None,
-                derandomize=True,
-                deadline=None,
-                phases=[Phase.generate],
-                report_multiple_bugs=False,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=defect_search(200, 30),
         )
 
 
