@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SchedulerDriver", "WorkloadSpec", "import_scheduler", "opt_config_dir"]
+__all__ = ["SchedulerDriver", "WorkloadSpec", "import_scheduler", "make_request", "opt_config_dir", "scheduler_config"]
 
 
 def import_scheduler() -> None:
@@ -90,6 +90,70 @@ class _Pending:
     due: list[int]  # per rank: the step at which that rank reports
 
 
+def scheduler_config(
+    model_dir: Path,
+    *,
+    connector: str,
+    module: str | None,
+    extra: dict[str, Any],
+    block_size: int,
+    world_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    kv_events: bool = False,
+) -> Any:
+    """vLLM's ``VllmConfig`` of a scheduler-only run (no weights, no tokenizer, prefix caching and chunked
+    prefill on) with ``connector`` (from ``module``, None for vLLM's own) in the ``kv_both`` role."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.config.parallel import ParallelConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="float16", seed=42, skip_tokenizer_init=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=world_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
+    )
+
+
+def make_request(req_id: str, prompt: Sequence[int], max_tokens: int, block_size: int) -> Any:
+    """A vLLM ``Request`` that generates exactly ``max_tokens`` tokens, with its block hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, 2)
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+
+
 @dataclass
 class SchedulerDriver:
     """vLLM's Scheduler with a connector in the scheduler role, and its workers' reports (module docs)."""
@@ -142,9 +206,6 @@ class SchedulerDriver:
         self._counter = 0
 
     def _config(self, page_bytes: int) -> Any:
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.config.parallel import ParallelConfig
-
         if self.connector == "native":
             # vLLM's CPU spec sizes its tier in bytes: one chunk (one block) is the page, aligned.
             extra = {"cpu_bytes_to_use": self.cpu_chunks * max(page_bytes * self.world_size, 4096), **self.extra}
@@ -154,23 +215,16 @@ class SchedulerDriver:
             name, module = "KvfsmConnector", "kvfsm.vllm"
         else:
             raise ValueError(f"connector={self.connector!r}; expected 'native' or 'kvfsm'")
-        return VllmConfig(
-            model_config=ModelConfig(model=str(self.model_dir), dtype="float16", seed=42, skip_tokenizer_init=True),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=8192,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(
-                block_size=self.block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.world_size),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=name, kv_connector_module_path=module, kv_role="kv_both", kv_connector_extra_config=extra
-            ),
-            device_config=DeviceConfig("cpu"),
+        return scheduler_config(
+            self.model_dir,
+            connector=name,
+            module=module,
+            extra=extra,
+            block_size=self.block_size,
+            world_size=self.world_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=8192,
         )
 
     @property
@@ -182,22 +236,8 @@ class SchedulerDriver:
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt: Sequence[int], max_tokens: int, req_id: str | None = None) -> Any:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-        from vllm.v1.request import Request
-
         self._counter += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, 2)
-        req = Request(
-            request_id=req_id or f"r{self._counter}",
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=get_request_block_hasher(self.block_size, sha256),
-        )
+        req = make_request(req_id or f"r{self._counter}", prompt, max_tokens, self.block_size)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req

@@ -29,21 +29,11 @@ from typing_extensions import override
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.config.parallel import ParallelConfig
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -57,7 +47,7 @@ from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.gate import CopyGate
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.vllm.connector import KvfsmConnector
-from kvfsm.vllm.drive import opt_config_dir
+from kvfsm.vllm.drive import make_request, opt_config_dir, scheduler_config
 
 __all__ = ["BLOCK_SIZE", "Rig", "StepRecord", "opt_config_dir"]
 
@@ -200,41 +190,25 @@ class Rig:
         return self.backends[rank].unfinished_job_ids()
 
     def _config(self) -> VllmConfig:
-        return VllmConfig(
-            model_config=ModelConfig(model=str(self.model_dir), dtype="float16", seed=42, skip_tokenizer_init=True),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=16,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=4096,
-                enable_chunked_prefill=True,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.world_size),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvfsmConnector",
-                kv_connector_module_path="kvfsm.vllm",
-                kv_role="kv_both",
-                kv_connector_extra_config={"num_slots": self.num_slots, **self.extra},
-            ),
-            device_config=DeviceConfig("cpu"),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if self.kv_events else None,
+        config: VllmConfig = scheduler_config(
+            self.model_dir,
+            connector="KvfsmConnector",
+            module="kvfsm.vllm",
+            extra={"num_slots": self.num_slots, **self.extra},
+            block_size=BLOCK_SIZE,
+            world_size=self.world_size,
+            max_num_seqs=16,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=4096,
+            kv_events=self.kv_events,
         )
+        return config
 
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt: Sequence[int], max_tokens: int = 4, req_id: str | None = None) -> Request:
         self._counter += 1
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        params.update_from_generation_config({}, 2)
-        req = Request(
-            request_id=req_id or f"r{self._counter}",
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            pooling_params=None,
-            mm_features=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-        )
+        req: Request = make_request(req_id or f"r{self._counter}", prompt, max_tokens, BLOCK_SIZE)
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         return req
