@@ -4,9 +4,19 @@
 and :class:`~kvfsm.control.cpu.CPUOffloadingManager` (behind a real
 :class:`~kvfsm.control.tiering.TieringManager` when the bounds have a tier), ``W`` real
 :class:`~kvfsm.control.worker.OffloadingWorker` ranks over :class:`~kvfsm.control.worker.HeldCopyBackend`
-copies that move nothing and finish only when an event says so, a :class:`LoopbackTier`, and a small engine
+copies that move nothing and finish only when an event says so, the model's secondary tiers in its order
+(:class:`ModelTier`: kvfsm's :class:`~kvfsm.tiers.memory.InMemoryTier`, whose cascades and promotions end
+only when an event says so, hitting what it holds with ``Bounds.promotions``, the last one syncing in the
+background with ``Bounds.durable``), the real :class:`~kvfsm.control.deadlines.Deadlines` on an injected
+:class:`ReplayClock` with the scheduler's expiry queue holding each store deadline back until an ``expire``
+event passes it (:class:`HeldDeadlineQueue`, through the scheduler's ``expiry`` seam), and a small engine
 loop, at the model's finer granularity (a lookup, a step, a finish are separate events), that fires the
-real engine machine as the reference engine does (:func:`~kvfsm.control.decisions.settle_event`). No torch.
+real engine machine as the reference engine does (:func:`~kvfsm.control.decisions.settle_event`) and shuts
+down as :meth:`EngineLoop.shutdown <kvfsm.engine.loop.EngineLoop.shutdown>` does (abort, ``shutdown`` /
+flush_all's empty steps, ``abandon_jobs`` at the deadline, ``stop`` and the parts' shutdown). No torch.
+
+With ``Bounds.shutdown``, replay against :class:`LoopShutdownModel`: where the model's shutdown leaves out
+what the loop does, it says what and puts it back.
 
 Every event label of :mod:`kvfsm.check.model` is an operation of the harness (:meth:`Harness.apply`), and
 :func:`abstract` reads the harness back into a model :class:`~kvfsm.check.model.State` (through public
@@ -44,6 +54,7 @@ from kvfsm.check.model import (
     LOAD,
     REPORTED,
     STORE,
+    SYNCING,
     TOKENS_PER_BLOCK,
     UNLAUNCHED,
     WRITING,
@@ -58,10 +69,10 @@ from kvfsm.check.model import (
 )
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
-from kvfsm.control.deadlines import Deadlines
+from kvfsm.control.deadlines import DeadlineQueue, Deadlines
 from kvfsm.control.decisions import settle_event
 from kvfsm.control.job import Job
-from kvfsm.control.manager import JobResult, OffloadingManager, SecondaryTier, TierJob
+from kvfsm.control.manager import JobResult, OffloadingManager, TierJob
 from kvfsm.control.metadata import WorkerOutput
 from kvfsm.control.requests import TokenRequest, chain_block_hashes
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -85,11 +96,15 @@ from kvfsm.machines.names import (
     RequestEvent,
     RequestState,
 )
+from kvfsm.tiers.memory import InMemoryTier
 
 __all__ = [
     "Harness",
-    "LoopbackTier",
+    "HeldDeadlineQueue",
+    "LoopShutdownModel",
     "Mismatch",
+    "ModelTier",
+    "ReplayClock",
     "ReplayReport",
     "abstract",
     "probe_state",
@@ -98,6 +113,7 @@ __all__ = [
 ]
 
 _CTX = ReqContext("probe")
+_FINISHED = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED, None)
 
 
 # --------------------------------------------------------------------------------------------- the parts
@@ -113,34 +129,56 @@ def shard_state(worker: OffloadingWorker, backend: HeldCopyBackend, job: Job) ->
     return REPORTED if worker.launched_here(job) else UNLAUNCHED
 
 
-class LoopbackTier(SecondaryTier):
-    """A write-through secondary tier that never hits (so nothing is promoted) and finishes a cascade only
-    when told; it reports finished cascades in key order, as the model applies them."""
+class ModelTier(InMemoryTier):
+    """kvfsm's in-memory tier (:class:`~kvfsm.tiers.memory.InMemoryTier`: a job's I/O ends only when the
+    test calls :meth:`complete`), seen at the model's abstraction.
 
-    name = "loopback"
+    What it adds to the real tier is what the model abstracts: finished jobs are reported in key order
+    (the model cannot know the order in which two transfers ended, so it applies them by keys); with
+    ``hits=False`` it never answers HIT (the model without ``promotions``); with ``durable=True`` a
+    successful cascade, once reported, keeps syncing in the background (the tier's own
+    ``has_pending_work()``, as a durable :class:`~kvfsm.tiers.fs.FileSystemTier`'s fsync) until
+    :meth:`sync` says it is durable, and :meth:`drain_jobs` waits for the syncs too.
+    """
 
-    def __init__(self, key_ids: Mapping[OffloadKey, int]) -> None:
+    __slots__ = ("drained", "durable", "hits", "key_ids", "polled", "syncing", "unreported")
+
+    def __init__(self, name: str, key_ids: Mapping[OffloadKey, int], *, hits: bool, durable: bool) -> None:
+        super().__init__(name)
         self.key_ids = key_ids
-        self.copying: dict[int, TierJob] = {}
-        self.done: dict[int, tuple[TierJob, bool]] = {}
-        #: The manager polled this tier since the last schedule end (or reset): its once-per-step poll
-        #: gate is closed.
+        self.hits = hits
+        self.durable = durable
+        #: Jobs whose I/O ended and that the manager has not polled yet: job id -> (job, its I/O succeeded).
+        self.unreported: dict[int, tuple[TierJob, bool]] = {}
+        #: Durable tier: cascades reported as written whose background sync still runs, by job id.
+        self.syncing: dict[int, TierJob] = {}
+        #: Jobs a drain finished (written and synced) that the manager has not polled yet.
+        self.drained: set[int] = set()
+        #: The manager polled this tier since the last schedule end (or reset): its poll gate is closed.
         self.polled = False
+
+    def keys_of(self, job: TierJob) -> tuple[int, ...]:
+        return tuple(self.key_ids[k] for k in job.keys)
+
+    @override
+    def complete(self, job_id: int, success: bool = True) -> None:
+        job = self.pending_job(job_id)
+        super().complete(job_id, success)
+        self.unreported[job_id] = (job, success)
+
+    def sync(self, job_id: int) -> None:
+        """The background sync of a reported cascade finishes: its data is durable."""
+        if job_id not in self.syncing:
+            raise KvfsmError(f"tier {self.name!r} syncs no job {job_id}; expected one of {sorted(self.syncing)}")
+        del self.syncing[job_id]
 
     @override
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        return LookupResult.MISS
+        return super().lookup(key, ctx) if self.hits else LookupResult.MISS
 
     @override
-    def submit_store(self, job: TierJob) -> None:
-        self.copying[job.job_id] = job
-
-    @override
-    def submit_load(self, job: TierJob) -> None:
-        raise KvfsmError("the loopback tier never hits, so it never promotes")
-
-    def finish(self, job_id: int, ok: bool) -> None:
-        self.done[job_id] = (self.copying.pop(job_id), ok)
+    def has_pending_work(self) -> bool:
+        return bool(self.syncing)
 
     @override
     def on_schedule_end(self) -> None:
@@ -149,17 +187,75 @@ class LoopbackTier(SecondaryTier):
     @override
     def get_finished_jobs(self) -> list[JobResult]:
         self.polled = True
-        order = sorted(self.done.values(), key=lambda d: self.keys(d[0]))
-        self.done = {}
-        return [JobResult(job.job_id, ok) for job, ok in order]
+        results = list(super().get_finished_jobs())
+        jobs = {jid: job for jid, (job, _) in self.unreported.items()}
+        self.unreported = {}
+        results.sort(key=lambda r: self.keys_of(jobs[r.job_id]))
+        if self.durable:
+            for r in results:
+                job = jobs[r.job_id]
+                if r.success and not job.is_promotion and r.job_id not in self.drained:
+                    self.syncing[r.job_id] = job
+        self.drained.clear()
+        return results
 
     @override
     def drain_jobs(self) -> None:
-        for job_id in list(self.copying):
-            self.finish(job_id, True)
+        super().drain_jobs()
+        # The drain returns once every write and every sync is done: what it finished is durable already.
+        self.drained.update(self.unreported)
+        self.syncing.clear()
 
-    def keys(self, job: TierJob) -> tuple[int, ...]:
-        return tuple(self.key_ids[k] for k in job.keys)
+    @override
+    def shutdown(self) -> None:
+        """As :meth:`FileSystemTier.shutdown <kvfsm.tiers.fs.FileSystemTier.shutdown>`: every pending I/O is
+        cancelled and reported failed at the next poll, and the background syncs stop."""
+        for job_id in self.pending_job_ids():
+            self.complete(job_id, False)
+        self.drained.update(self.unreported)  # a closed tier starts no sync
+        self.syncing.clear()
+
+
+class ReplayClock:
+    """The scheduler's injected clock: it moves only when an ``expire`` event passes a deadline (a plain
+    float, so that the harness can be deep-copied; :class:`~kvfsm.control.deadlines.ManualClock` holds a
+    lock)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HeldDeadlineQueue(DeadlineQueue):
+    """The scheduler's real expiry queue, with each job's deadline held back until the checker's
+    ``("expire", j)`` event passes it (:meth:`pass_deadline`): then, and only then, the deadline is in the
+    queue and the clock past it, so the next ``build_connector_meta`` times out that job alone."""
+
+    __slots__ = ("held", "passed")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[int, float] = {}  #: job id -> its deadline, not passed yet
+        self.passed: set[int] = set()  #: jobs whose deadline the clock has passed (ground truth)
+
+    @override
+    def push(self, item: int, deadline: float) -> None:
+        self.held[item] = deadline
+
+    def pass_deadline(self, item: int, clock: ReplayClock) -> None:
+        deadline = self.held.pop(item)
+        super().push(item, deadline)
+        self.passed.add(item)
+        clock.now = max(clock.now, deadline)
+
+    @override
+    def clear(self) -> None:
+        super().clear()
+        self.held.clear()
 
 
 class _Engine:
@@ -201,15 +297,29 @@ class Harness:
                 self.key_ids[make_offload_key(hashes[c])] = b.key(p, c)
         self.keys_by_id = {k: key for key, k in self.key_ids.items()}
         self.primary = CPUOffloadingManager(b.slots, checked=checked)
-        self.tier = LoopbackTier(self.key_ids) if b.tiers else None
+        # The model's tiers, in its order; the last one is durable with Bounds.durable.
+        self.tiers = [
+            ModelTier(f"tier{t}", self.key_ids, hits=b.promotions, durable=b.durable and t == b.tiers - 1)
+            for t in range(b.tiers)
+        ]
+        #: The injected clock, and the scheduler's expiry queue, which holds each store deadline back until
+        #: an ``expire`` event passes it. Only store deadlines are in scope (``Bounds.deadlines``).
+        self.clock = ReplayClock()
+        self.expiry = HeldDeadlineQueue()
+        deadlines = (
+            Deadlines(store_s=1.0, load_s=None, cascade_s=None, promote_s=None, lookup_wait_s=None, shutdown_s=None)
+            if b.deadlines
+            else Deadlines.none()
+        )
         self.manager: OffloadingManager = (
-            TieringManager(self.primary, [self.tier], checked=checked, deadlines=Deadlines.none())
-            if self.tier is not None
+            TieringManager(self.primary, self.tiers, checked=checked, deadlines=deadlines, clock=self.clock)
+            if self.tiers
             else self.primary
         )
         self.config = OffloadConfig(TOKENS_PER_BLOCK, 1, b.workers)
-        # The model has no clock: no deadline may fire while an edge is replayed.
-        self.sched = OffloadingScheduler(self.config, self.manager, checked=checked, deadlines=Deadlines.none())
+        self.sched = OffloadingScheduler(
+            self.config, self.manager, checked=checked, deadlines=deadlines, clock=self.clock, expiry=self.expiry
+        )
         self.backends = [HeldCopyBackend() for _ in range(b.workers)]
         self.workers = [OffloadingWorker(r, b.workers, backend) for r, backend in enumerate(self.backends)]
         self.engine = _Engine(self.sched)
@@ -222,6 +332,7 @@ class Harness:
         self.arrivals = 0
         self.resets = 0
         self.preemptions = 0
+        self.expiries = 0
 
     def _prompt_tokens(self, prompt: int) -> list[int]:
         toks = [1, 2]
@@ -260,8 +371,20 @@ class Harness:
         if kind == "copy":
             self.backends[refs.workers[label[2]]].complete(refs.jobs[label[1]], label[3])
         elif kind == "tier":
-            assert self.tier is not None
-            self.tier.finish(refs.tier[label[1]], label[2])
+            t, job_id = refs.tier[label[1]]
+            self.tiers[t].complete(job_id, label[2])
+        elif kind == "sync":
+            t, job_id = refs.tier[label[1]]
+            self.tiers[t].sync(job_id)
+        elif kind == "expire":
+            self.expiry.pass_deadline(refs.jobs[label[1]], self.clock)
+            self.expiries += 1
+        elif kind == "shutdown":
+            self.shutdown(refs.reqs)
+        elif kind == "give_up":
+            self.give_up()
+        elif kind == "stop":
+            self.stop()
         elif kind == "arrive":
             self.arrive(label[1])
         elif kind == "lookup":
@@ -352,7 +475,8 @@ class Harness:
             w.after_forward(meta)
         self.sched.update_connector_output(self.poll())
         self._finish_loads()
-        self._settle()
+        if self.engine.state is not EngineState.SHUTTING_DOWN:
+            self._settle()  # flush_all's empty steps settle nothing: its end is give_up or stop
         self._forget()
 
     def poll(self) -> WorkerOutput:
@@ -404,10 +528,10 @@ class Harness:
         for rid in [r for r, h in self.requests.items() if h.eng == E_DONE and not self.sched.is_tracked(r)]:
             del self.requests[rid]
 
-    def finish(self, rid: str) -> None:
+    def finish(self, rid: str, *, aborted: bool = False) -> None:
         h = self.requests[rid]
         req = h.request
-        req.is_aborted = not (h.eng == E_RUN and req.num_computed_tokens == req.num_tokens)
+        req.is_aborted = aborted or not (h.eng == E_RUN and req.num_computed_tokens == req.num_tokens)
         self.sched.request_finished(req)
         self.finished_order.append(rid)
         if h.eng in (E_RUN, E_WAIT):
@@ -418,11 +542,92 @@ class Harness:
 
     def reset(self) -> None:
         self.sched.reset_cache()
-        if self.tier is not None:
-            self.tier.polled = False  # reset_cache reopens the manager's poll gate
+        for tier in self.tiers:
+            tier.polled = False  # reset_cache reopens the manager's poll gate
         self.resets += 1
         self.finished_order = []
         self._forget()
+
+    # -- bounded shutdown, as EngineLoop.shutdown does it (one flush_all round per step event)
+
+    def shutdown(self, order: Sequence[str]) -> None:
+        """EngineLoop.shutdown up to flush_all: abort every live request (in ``order``, the model's), then
+        fire ``shutdown``. The flush_all rounds are the ``step`` events that follow (an empty step: no
+        request is running any more), and its end is ``give_up`` or ``stop``."""
+        for rid in order:
+            h = self.requests[rid]
+            if h.eng != E_DONE and self.sched.state_or_none(rid) not in _FINISHED:
+                self.finish(rid, aborted=True)
+        self._fire_engine(EngineEvent.SHUTDOWN)
+
+    def give_up(self) -> None:
+        """flush_all's deadline passed with work pending: abandon_jobs, then the loop's _finish_loads."""
+        self.sched.abandon_jobs()
+        self._finish_loads()
+
+    def stop(self) -> None:
+        """``stop`` fires, then EngineLoop._stop_parts (unthreaded): every worker shuts down (its held
+        copies run), their last reports are applied, the scheduler shuts down (release_quarantine, the
+        tiering manager's shutdown), and the loop's _finish_loads."""
+        self._fire_engine(EngineEvent.STOP)
+        for w in self.workers:
+            w.shutdown()
+        self.sched.update_connector_output(self.poll())
+        self.sched.shutdown(None)
+        self._finish_loads()
+
+
+# --------------------------------------------------------------------------------------------- the model's shutdown
+
+
+class LoopShutdownModel(Model):
+    """The model with :meth:`EngineLoop.shutdown <kvfsm.engine.loop.EngineLoop.shutdown>`'s behaviour put back
+    where the model's ``give_up`` and ``stop`` leave it out (found by replaying them on the implementation):
+
+    1. After ``abandon_jobs``, flush_all runs the loop's ``_finish_loads`` (and ``_stop_parts`` runs it
+       again): a request aborted while loading, whose load was cancelled or timed out, leaves the engine's
+       loading map. The model keeps it loading through ``give_up`` and ``stop``.
+    2. At ``stop``, every worker's shutdown waits for the copies it still holds and their reports are
+       applied, so a copy of a job that ``reset_cache`` discarded (stale, ignored by id) has ended and been
+       reported. The model keeps that job's shards copying after ``stop``.
+    3. At ``stop``, ``TieringManager.shutdown`` shuts the tiers down and polls them: the poll gate is
+       closed, and a promotion that had not succeeded (failed, or cancelled by the tier's shutdown and
+       reported failed, as :meth:`FileSystemTier.shutdown <kvfsm.tiers.fs.FileSystemTier.shutdown>` does)
+       is released with ``invalidate=True``, so that tier forgets its copy. The model leaves the gate open
+       and the copy held.
+
+    The model-based replay uses it wherever ``Bounds.shutdown`` is in scope, until the model itself does
+    this (tests/test_model_based.py pins the difference).
+    """
+
+    @override
+    def _give_up(self, s: State, arg: int) -> State:
+        return self._loads_handed_back(super()._give_up(s, arg))
+
+    @override
+    def _stop(self, s: State, arg: int) -> State:
+        nxt = super()._stop(s, arg)
+        held = list(nxt.held)
+        for rec in s.tier:
+            if held and rec.promote and not rec.harvested and rec.status in (COPYING, DONE_FAIL):
+                for key in rec.keys:
+                    held[rec.tier] &= ~(1 << key)
+        # Every job is over and every copy has reported: no job record is left.
+        nxt = nxt._replace(jobs=(), held=tuple(held), polled=nxt.polled or bool(self.bounds.tiers))
+        return self._loads_handed_back(nxt)
+
+    def _loads_handed_back(self, s: State) -> State:
+        """The loop's _finish_loads once every job is over: loading requests are done (every request is
+        finished at shutdown), and done requests the scheduler deleted are forgotten."""
+        kept = self.last_kept
+        reqs = [r._replace(eng=E_DONE, pos=-1) if r.eng == E_LOAD else r for r in s.reqs]
+        keep = [i for i, r in enumerate(reqs) if not (r.phase is RequestState.DELETED and r.eng == E_DONE)]
+        if len(keep) != len(reqs):
+            remap = {old: new for new, old in enumerate(keep)}
+            s = s._replace(jobs=tuple(j._replace(req=remap[j.req]) if j.req >= 0 else j for j in s.jobs))
+            before = kept[0] if kept is not None else list(range(len(reqs)))
+            self.last_kept = ([before[i] for i in keep], kept[1] if kept is not None else list(range(len(s.jobs))))
+        return s._replace(reqs=tuple(reqs[i] for i in keep))
 
 
 # --------------------------------------------------------------------------------------------- abstraction
@@ -434,7 +639,7 @@ class Refs:
 
     reqs: list[str] = field(default_factory=list)
     jobs: list[int] = field(default_factory=list)
-    tier: list[int] = field(default_factory=list)
+    tier: list[tuple[int, int]] = field(default_factory=list)  #: (tier index, its job id; -1: queued)
     groups: dict[int, int] = field(default_factory=dict)  #: canonical group -> harness group
     workers: list[int] = field(default_factory=list)  #: canonical rank -> harness rank
 
@@ -491,8 +696,9 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
                 job.pending,
                 job.failed_reports,
                 shards,
-                job.state is JobState.STALE and jid < threshold,
+                job.state in (JobState.STALE, JobState.TIMED_OUT) and jid < threshold,
                 W,
+                jid in h.expiry.passed,
             )
         )
         job_ids.append(jid)
@@ -504,16 +710,30 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
     policy = h.primary.policy
     order = policy.keys()  # CachePolicy.keys(): held keys, least recent first
     lru = tuple(h.key_ids[k] for k in order if policy.is_evictable(k))
-    tier_recs = []
-    tier_ids = []
-    if h.tier is not None:
-        for jid, tjob in h.tier.copying.items():
-            tier_recs.append(TierRec(h.tier.keys(tjob), COPYING))
-            tier_ids.append(jid)
-        for jid, (tjob, ok) in h.tier.done.items():
-            tier_recs.append(TierRec(h.tier.keys(tjob), DONE_OK if ok else DONE_FAIL))
-            tier_ids.append(jid)
-    polled = h.tier.polled if h.tier is not None else False
+    tier_recs: list[TierRec] = []
+    tier_ids: list[tuple[int, int]] = []
+    for t, tier in enumerate(h.tiers):
+        for jid in tier.pending_job_ids():
+            tjob = tier.pending_job(jid)
+            tier_recs.append(TierRec(tier.keys_of(tjob), COPYING, t, False, tjob.is_promotion))
+            tier_ids.append((t, jid))
+        for jid, (tjob, ok) in tier.unreported.items():
+            tier_recs.append(TierRec(tier.keys_of(tjob), DONE_OK if ok else DONE_FAIL, t, False, tjob.is_promotion))
+            tier_ids.append((t, jid))
+        for jid, tjob in tier.syncing.items():
+            tier_recs.append(TierRec(tier.keys_of(tjob), SYNCING, t, True, False))
+            tier_ids.append((t, jid))
+    if isinstance(h.manager, TieringManager):
+        for t, _rid, keys in h.manager.queued_promotions():
+            for key in keys:  # the model queues one promotion per key
+                tier_recs.append(TierRec((h.key_ids[key],), UNLAUNCHED, t, False, True))
+                tier_ids.append((t, -1))
+    polled = h.tiers[0].polled if h.tiers else False
+    held = (
+        tuple(sum(1 << h.key_ids[key] for key in InMemoryTier.keys(tier)) for tier in h.tiers)
+        if h.bounds.promotions
+        else ()
+    )
     state = State(
         h.engine.state,
         tuple(reqs),
@@ -527,6 +747,10 @@ def abstract(h: Harness, model: Model) -> tuple[State, Refs]:
         h.resets,
         h.preemptions,
         sched.job_counter if h.bounds.max_jobs else 0,
+        False,
+        held,
+        h.expiries,
+        sched.abandoned,
     )
     maps = model.canonical_with_maps(state)
     refs = Refs(
@@ -718,9 +942,13 @@ def probe_state(h: Harness, model: Model, state: State, refs: Refs) -> tuple[lis
     """Apply every event the spec disables in ``state`` to (a copy of) ``h``: each must raise a typed
     KvfsmError and change nothing. Returns (failures, number of probes)."""
     failures: list[str] = []
-    probes = disabled_events(h, state, refs)
-    work = _clone(h)
-    _pre_poll(work)
+    polled = _clone(h)
+    if _pre_poll(polled):
+        # The poll may have finished something (a cascade: nothing pending any more, so ``stop`` is
+        # enabled): what is disabled is read from the polled copy.
+        state, refs = abstract(polled, model)
+    probes = disabled_events(polled, state, refs)
+    work = _clone(polled)
     before = _fingerprint(work, model)
     # All probes on one copy, compared once at the end; only if something changed are they run again
     # one by one, to name the culprit.
@@ -729,8 +957,7 @@ def probe_state(h: Harness, model: Model, state: State, refs: Refs) -> tuple[lis
     if _fingerprint(work, model) != before:
         failures.clear()
         for what, call in probes:
-            work = _clone(h)
-            _pre_poll(work)
+            work = _clone(polled)
             _try_probe(what, call, work, failures)
             if _fingerprint(work, model) != before:
                 failures.append(f"{what}: raised but changed the state")
@@ -748,15 +975,17 @@ def _try_probe(what: str, call: Callable[[Harness], object], work: Harness, fail
         failures.append(f"{what}: accepted, but the spec disables it")
 
 
-def _pre_poll(h: Harness) -> None:
-    """Close the tiering manager's poll gate the way a lookup does.
+def _pre_poll(h: Harness) -> bool:
+    """Close the tiering manager's poll gate the way a lookup does; True if there is a tiering manager.
 
     TieringManager's lookup, prepare_load and prepare_store poll the tiers first, by design (finished
     transfers are applied before the decision), so a refused prepare_load may still apply that poll. A
     probe starts from an already polled harness, so that what it compares is the refused event alone.
     """
-    if h.tier is not None:
-        h.manager.lookup(h.keys_by_id[0], _CTX)
+    if isinstance(h.manager, TieringManager):
+        h.manager.prepare_load((), _CTX)  # polls, changes nothing else (a lookup could reserve a promotion)
+        return True
+    return False
 
 
 def _req(x: Harness, rid: str) -> TokenRequest:
@@ -874,6 +1103,21 @@ def disabled_events(h: Harness, state: State, refs: Refs) -> list[Probe]:
         out.append((f"ack job {jid} from rank {job.world_size}", _p_report(jid, [job.world_size], ok=True)))
         out.append((f"fail job {jid} from no rank", _p_report(jid, [], ok=False)))
     out.append((f"ack never-issued job {sched.job_counter}", _p_report(None, [0], ok=True)))
+    # A timed-out job in quarantine absorbs a late report only from a rank whose launched copy has not
+    # reported yet (Quarantined.check_report).
+    for n, rec in enumerate(state.jobs):
+        if rec.state is JobState.TIMED_OUT and not rec.ignored:
+            jid = refs.jobs[n]
+            for w, shard in enumerate(rec.shards):
+                if shard in (UNLAUNCHED, REPORTED):
+                    rank = refs.workers[w]
+                    what = "never launched it" if shard == UNLAUNCHED else "already reported it"
+                    out.append(
+                        (
+                            f"late ack of timed-out job {jid} from rank {rank}, which {what}",
+                            _p_report(jid, [rank], ok=True),
+                        )
+                    )
     jm = job_machine()
     for jid, job in h.known_jobs().items():
         what = f"job {jid} ({job.state.value})"

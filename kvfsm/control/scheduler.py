@@ -230,7 +230,11 @@ class OffloadingScheduler:
         checked: bool | None = None,
         deadlines: Deadlines | None = None,
         clock: Clock | None = None,
+        expiry: DeadlineQueue | None = None,
     ) -> None:
+        """``deadlines`` bound the jobs, timed on ``clock`` (default ``time.monotonic``); ``expiry`` is the
+        queue their deadlines wait in (default a fresh :class:`DeadlineQueue`; the model-based replay passes
+        one that holds each deadline back until the checker's event passes it, spec/README.md "Deadlines")."""
         self.config = config
         self.manager = manager
         self._job_machine = job_machine(checked)
@@ -252,7 +256,7 @@ class OffloadingScheduler:
         self.stats = SchedulerStats()
         self.deadlines = deadlines if deadlines is not None else Deadlines()
         self._clock: Clock = clock if clock is not None else time.monotonic
-        self._expiry = DeadlineQueue()
+        self._expiry = expiry if expiry is not None else DeadlineQueue()
         self._quarantine: dict[int, Quarantined] = {}
         self._abandoned = False  # a bounded shutdown gave up: quarantined copies are no longer pending work
         self._released: list[int] = []  # quarantined job ids whose memory was handed back since last taken
@@ -329,6 +333,11 @@ class OffloadingScheduler:
     def is_quarantined(self, job_id: int) -> bool:
         """True while a timed-out job's launched copies have not all reported (its memory is held)."""
         return job_id in self._quarantine
+
+    @property
+    def abandoned(self) -> bool:
+        """A bounded shutdown gave up (:meth:`abandon_jobs`): quarantined copies are no longer pending work."""
+        return self._abandoned
 
     @property
     def num_quarantined(self) -> int:

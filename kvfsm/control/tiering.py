@@ -276,6 +276,11 @@ class TieringManager(OffloadingManager):
         """Keys reserved for promotion and not yet submitted (O(tiers x requests queued this step))."""
         return sum(len(keys) for per_req in self._queued for keys in per_req.values())
 
+    def queued_promotions(self) -> list[tuple[int, str, tuple[OffloadKey, ...]]]:
+        """Promotions reserved by this step's lookups and not yet submitted, as (tier index, request id,
+        keys), in submission order (a query for verifiers: the model-based replay reads it back)."""
+        return [(i, req_id, tuple(keys)) for i, per_req in enumerate(self._queued) for req_id, keys in per_req.items()]
+
     def stats(self) -> TieringStats:
         return TieringStats(
             primary=self._primary.stats(),

@@ -3,10 +3,12 @@
 :class:`CheckerPathStateMachine` drives the real control plane at the checker's granularity: the replay
 harness of :mod:`kvfsm.check.replay` (the real :class:`~kvfsm.control.scheduler.OffloadingScheduler`, CPU
 manager and :class:`~kvfsm.control.tiering.TieringManager`, ``W`` real
-:class:`~kvfsm.control.worker.OffloadingWorker` ranks over held copy backends, a tier whose cascades finish
-only when told), where a lookup, a step, one rank's copy and a finish are separate events. So the states
-the whole-system machines cannot stop in (a job planned and not launched, one rank of two reported, a
-request looked up and not yet stepped) are reached, and checked, here.
+:class:`~kvfsm.control.worker.OffloadingWorker` ranks over held copy backends, kvfsm's in-memory tiers,
+whose cascades and promotions finish only when told, an injected clock and expiry queue), where a lookup,
+a step, one rank's copy and a finish are separate events. So the states the whole-system machines cannot
+stop in (a job planned and not launched, one rank of two reported, a request looked up and not yet
+stepped) are reached, and checked, here. With ``Bounds.shutdown`` the graph is
+:class:`~kvfsm.check.replay.LoopShutdownModel`'s (the engine loop's shutdown).
 
 Each example picks one abstract protocol state (:func:`kvfsm.testing.abstraction.project_model_state`) of
 the checker's reachable graph at :attr:`CheckerPathStateMachine.bounds`, follows the checker's shortest
@@ -16,10 +18,11 @@ every event:
 * the implementation, read back through the checker's own abstraction (:func:`kvfsm.check.replay.abstract`),
   is the state the checker says the edge leads to;
 * every invariant of ``spec/invariants.toml`` holds (:func:`kvfsm.check.invariants.check_all`);
-* while the data plane holds work (a copy a backend holds or has finished and not reported, a cascade the
-  tier holds or has finished and not reported), judged from the backends and the tier alone, never from
-  the scheduler's or the tiering manager's jobs: ``has_pending_push_work()`` is True and the engine is not
-  idle (counted in :data:`kvfsm.testing.system.GROUND_TRUTH_CHECKS`).
+* while the data plane holds work (a copy a backend holds or has finished and not reported, a transfer a
+  tier holds or has finished and not reported, a durable tier's sync), judged from the backends and the
+  tiers alone, never from the scheduler's or the tiering manager's jobs, and no bounded shutdown gave it
+  up: ``has_pending_push_work()`` is True and the engine is not idle (counted in
+  :data:`kvfsm.testing.system.GROUND_TRUTH_CHECKS`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvfsm.check.bfs import describe_label, explore
 from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.check.model import Bounds, Label, Model, State
-from kvfsm.check.replay import Harness, LoopbackTier, Refs, abstract
+from kvfsm.check.replay import Harness, LoopShutdownModel, Refs, abstract
 from kvfsm.machines.names import EngineState
 from kvfsm.testing.system import GROUND_TRUTH_CHECKS
 
@@ -74,7 +77,9 @@ def checker_graph(bounds: Bounds) -> CheckerGraph:
     # Imported here: kvfsm.testing.abstraction imports this module (to project its states).
     from kvfsm.testing.abstraction import project_model_state
 
-    result = explore(bounds, stop_at_first=False, keep_graph=True, check_liveness=False)
+    # With shutdown in scope, the model's shutdown is the engine loop's (LoopShutdownModel's docs).
+    model = LoopShutdownModel(bounds) if bounds.shutdown else Model(bounds)
+    result = explore(bounds, stop_at_first=False, keep_graph=True, check_liveness=False, model=model)
     g = result.graph
     assert g is not None
     n = len(g.states)
@@ -87,7 +92,7 @@ def checker_graph(bounds: Bounds) -> CheckerGraph:
         first.setdefault(project_model_state(state), sid)
     return CheckerGraph(
         bounds,
-        Model(bounds),
+        model,
         tuple(g.states),
         tuple(tuple(edges) for edges in out),
         parent,
@@ -189,10 +194,14 @@ class CheckerPathStateMachine(RuleBasedStateMachine):
                     continue
                 kinds.add("copy held" if job_id in backend.held else "copy unpolled")
                 work.append(f"copy of job {job_id} on rank {rank}")
-        tier = h.tier
-        if isinstance(tier, LoopbackTier) and (tier.copying or tier.done):
-            kinds.add("tier job")
-            work.append(f"tier jobs {sorted(tier.copying)} copying, {sorted(tier.done)} unreported")
+        for tier in h.tiers:
+            copying = tier.pending_job_ids()
+            if copying or tier.unreported:
+                kinds.add("tier job")
+                work.append(f"{tier.name} jobs {copying} copying, {sorted(tier.unreported)} unreported")
+            if tier.syncing:
+                kinds.add("tier sync")
+                work.append(f"{tier.name} jobs {sorted(tier.syncing)} syncing")
         for kind in kinds:
             GROUND_TRUTH_CHECKS[(name, kind)] += 1
         if work:
@@ -206,7 +215,9 @@ class CheckerPathStateMachine(RuleBasedStateMachine):
         h = self._h
         out = [str(v) for v in check_all(SystemView(h.sched, h.engine.state))]
         work = self.data_plane_work()
-        if work:
+        # After a bounded shutdown gave up (abandon_jobs), what is left is abandoned, not pending work
+        # (spec/README.md, "Bounded shutdown").
+        if work and not h.sched.abandoned:
             if not h.sched.has_pending_push_work():
                 out.append(f"data plane: has_pending_push_work() is False while {', '.join(work[:4])}")
             if h.engine.state is EngineState.IDLE:
