@@ -21,6 +21,7 @@ import os
 import pytest
 
 from kvfsm.check import Bounds, Model, explore
+from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.check.model import State
 from kvfsm.check.replay import (
     Harness,
@@ -31,9 +32,10 @@ from kvfsm.check.replay import (
     probe_state,
     replay_edges,
 )
-from kvfsm.control.job import Job
+from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.scheduler import OffloadingScheduler, SchedulerOutput
-from kvfsm.machines.names import JobState, SlotEvent
+from kvfsm.control.tiering import TieringManager
+from kvfsm.machines.names import EngineState, JobState, SlotEvent
 
 #: W = 2 with a tier, a reset and a preemption; two prompts of two chunks with eviction (LRU order); and
 #: the full scope at small bounds, one mechanism at a time (each a few thousand states).
@@ -174,6 +176,82 @@ def test_edge_replay_catches_a_model_that_disagrees(monkeypatch: pytest.MonkeyPa
     result = explore(bounds)
     report = replay_edges(result, probes=False, max_mismatches=1)
     assert report.mismatches and "after" in str(report.mismatches[0])
+
+
+def _plant_tiers_pending_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiering manager that forgets its tiers' own pending work (a durable tier's sync)."""
+    monkeypatch.setattr(
+        TieringManager, "has_pending_work", lambda self: bool(self.num_transfer_jobs or self.num_quarantined)
+    )
+
+
+def _plant_quarantine_released_at_first_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timed-out job's memory handed back at its first late report, while another rank still copies."""
+
+    def report(self: Quarantined, rank: int = 0) -> bool:
+        self.check_report(rank)
+        self.outstanding = 0
+        return True
+
+    monkeypatch.setattr(Quarantined, "report", report)
+
+
+def _plant_failed_promotion_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed promotion that does not invalidate the tier's copy (vLLM #49176)."""
+    monkeypatch.setattr(TieringManager, "_invalidate", staticmethod(lambda tier, keys: None))
+
+
+def _plant_abandoned_still_pending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quarantined copies still pending work after a bounded shutdown gave up: the engine cannot stop."""
+    monkeypatch.setattr(
+        OffloadingScheduler,
+        "_other_pending_work",
+        lambda self: bool(self.num_quarantined) or self.manager.has_pending_work(),
+    )
+
+
+PLANTED = {
+    "tiers-pending-ignored": (_plant_tiers_pending_ignored, CI_BOUNDS["durable-reset"]),
+    "quarantine-released-early": (_plant_quarantine_released_at_first_report, CI_BOUNDS["deadline-reset"]),
+    "failed-promotion-kept": (
+        _plant_failed_promotion_kept,
+        Bounds(requests=2, prompts=1, chunks=1, workers=1, slots=1, groups=1, tiers=1, promotions=True),
+    ),
+    "abandoned-still-pending": (_plant_abandoned_still_pending, SHUTDOWN_BOUNDS["shutdown-reset"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_the_full_scope_replay_catches_a_bug_planted_in_the_implementation(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plant, bounds = PLANTED[name]
+    result = explore(bounds, model=LoopShutdownModel(bounds) if bounds.shutdown else None)
+    assert result.ok
+    plant(monkeypatch)
+    report = replay_edges(result, probes=False, max_mismatches=1)
+    assert report.mismatches, f"{name}: every edge replayed"
+
+
+def test_what_a_bounded_shutdown_gave_up_is_not_pending_work() -> None:
+    """After give_up a quarantined copy is not pending work (spec/invariants.toml, pending_work_covers_jobs):
+    the implementation's invariant checker agrees (it used to flag it, found by the checker-path machine
+    with shutdown in scope), and stop hands the memory back."""
+    bounds = SHUTDOWN_BOUNDS["shutdown-reset"]
+    h = Harness(bounds)
+    h.arrive(0)
+    h.lookup("r0")
+    h.step()  # the store is launched on both ranks; the copies are held
+    h.shutdown(["r0"])
+    h.step()
+    assert h.sched.has_pending_push_work()
+    h.give_up()
+    assert h.sched.abandoned and h.sched.num_quarantined == 1 and not h.sched.has_pending_push_work()
+    assert check_all(SystemView(h.sched, h.engine.state)) == []
+    h.stop()
+    assert h.engine.state is EngineState.STOPPED and h.sched.num_quarantined == 0
+    assert h.primary.ref_cnt(h.keys_by_id[0]) is None  # the quarantined slot was handed back
+    assert check_all(SystemView(h.sched, h.engine.state)) == []
 
 
 def _state_with_a_job(bounds: Bounds) -> tuple[Harness, Model, State]:
