@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
 
 from kvfsm.check import Bounds, Model, explore
 from kvfsm.check.invariants import SystemView, check_all
@@ -36,6 +38,8 @@ from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.scheduler import OffloadingScheduler, SchedulerOutput
 from kvfsm.control.tiering import TieringManager
 from kvfsm.machines.names import EngineState, JobState, SlotEvent
+from kvfsm.testing.paths import CheckerPathStateMachine
+from kvfsm.testing.system import GROUND_TRUTH_CHECKS
 
 #: W = 2 with a tier, a reset and a preemption; two prompts of two chunks with eviction (LRU order); and
 #: the full scope at small bounds, one mechanism at a time (each a few thousand states).
@@ -301,6 +305,31 @@ def test_probes_cover_every_machine() -> None:
     state2, refs2 = abstract(h2, model)
     assert "reset_cache() with a step half scheduled" in [w for w, _ in disabled_events(h2, state2, refs2)]
     h2.sched.build_connector_meta(SchedulerOutput())
+
+
+def test_checker_path_machine_follows_the_full_scope_graph() -> None:
+    """kvfsm.testing.paths at full-scope bounds: the checker's paths (promotions from two tiers, a durable
+    tier's sync, a deadline, a bounded shutdown) followed on the real control plane, every event read back
+    and every invariant checked, the data plane's work judged from the backends and the tiers."""
+
+    class FullScopePaths(CheckerPathStateMachine):
+        bounds = SHUTDOWN_BOUNDS["full-scope"]
+
+    key = ("FullScopePaths", "any")
+    before = GROUND_TRUTH_CHECKS[key]
+    run_state_machine_as_test(
+        FullScopePaths,
+        settings=settings(
+            max_examples=60,
+            stateful_step_count=30,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    assert GROUND_TRUTH_CHECKS[key] > before
+    assert GROUND_TRUTH_CHECKS[("FullScopePaths", "tier sync")] > 0
 
 
 def _nightly_bounds() -> Bounds:
