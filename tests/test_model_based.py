@@ -16,6 +16,7 @@ is the fix the model needs.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -34,6 +35,7 @@ from kvfsm.check.replay import (
     probe_state,
     replay_edges,
 )
+from kvfsm.cli import main
 from kvfsm.control.job import Job, Quarantined
 from kvfsm.control.scheduler import OffloadingScheduler, SchedulerOutput
 from kvfsm.control.tiering import TieringManager
@@ -330,6 +332,16 @@ def test_checker_path_machine_follows_the_full_scope_graph() -> None:
     )
     assert GROUND_TRUTH_CHECKS[key] > before
     assert GROUND_TRUTH_CHECKS[("FullScopePaths", "tier sync")] > 0
+
+
+def test_kvfsm_check_replay_takes_the_full_scope(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvfsm check --replay`` with every scope option replays every edge (the shutdown the loop's)."""
+    args = ["check", "--requests", "1", "--prompts", "1", "--chunks", "1", "--workers", "1", "--slots", "1"]
+    args += ["--groups", "1", "--tiers", "2", "--durable", "--promotions", "--deadlines", "1", "--shutdown"]
+    assert main([*args, "--resets", "0", "--preemptions", "0", "--json", "--replay"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["violations"] == [] and data["replay"]["edges_replayed"] == data["edges"] > 0
+    assert data["replay"]["mismatches"] == [] and data["replay"]["probe_failures"] == []
 
 
 def _nightly_bounds() -> Bounds:
