@@ -473,6 +473,10 @@ class Model:
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
+        self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
+        self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
+        self._memo_canonical: dict[tuple[Any, ...], State] = {}
+        self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
         self.initial = State(
             EngineState.IDLE,
@@ -492,6 +496,13 @@ class Model:
             0,
             False,
         )
+
+    def forget(self) -> None:
+        """Drop the memoized events, representatives and invariants (each exploration starts afresh)."""
+        self._memo_events.clear()
+        self._memo_lookups.clear()
+        self._memo_canonical.clear()
+        self._memo_invariants.clear()
 
     # ------------------------------------------------------------------ spec machines, memoized
 
@@ -759,25 +770,56 @@ class Model:
         has_clean = len(used) < self.G
         for i, r in enumerate(s.reqs):
             if r.eng == E_WAIT and (has_clean or free_dirty):
-                yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+                yield from self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
         if s.engine is not EngineState.IDLE:
-            yield ("step",), self._guard(self._step, s, -1)
+            yield ("step",), self._memo(self._step, s, -1)
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    yield ("preempt", i), self._guard(self._step, s, i)
+                    yield ("preempt", i), self._memo(self._step, s, i)
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    yield ("finish", i), self._guard(self._finish_request, s, i)
+                    yield ("finish", i), self._memo(self._finish_request, s, i)
             if s.resets < b.resets:
-                yield ("reset",), self._guard(self._reset, s, -1)
+                yield ("reset",), self._memo(self._reset, s, -1)
             if b.shutdown:
-                yield ("shutdown",), self._guard(self._shutdown, s, -1)
+                yield ("shutdown",), self._memo(self._shutdown, s, -1)
+
+    # -- memoized events
+    #
+    # The counters (arrivals, resets, preemptions, expiries) are read only by the guards in successors()
+    # and only ever incremented by the events that use them up: every event's result on a state is its
+    # result on the same state with other counters, with the counters shifted by as much. So the expensive
+    # events are memoized, inside this Model, on the state without them (``created`` stays in the key: it
+    # prunes), which computes each about half as often at the default bounds.
+
+    def _memo(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
+        key = (fn.__name__, arg, s[:8], s[11:14], s[15:])
+        hit = self._memo_events.get(key)
+        if hit is None:
+            r = self._guard(fn, s, arg)
+            self._memo_events[key] = (r, s)
+            return r
+        return _shift(hit[0], hit[1], s)
+
+    def _memo_lookup(
+        self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
+    ) -> list[tuple[Label, State | ModelViolation | None]]:
+        key = ("lookup", i, s[:8], s[11:14], s[15:])
+        hit = self._memo_lookups.get(key)
+        if hit is None:
+            out = list(self._lookup(s, i, clean, free_dirty, has_clean))
+            self._memo_lookups[key] = (out, s)
+            return out
+        was = hit[1]
+        return [(lab, _shift(r, was, s)) for lab, r in hit[0]]
 
     def _guard(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
         try:
             return fn(s, arg)
         except ModelViolation as exc:
-            return exc
+            # Without its traceback: the frames it holds (the event's whole scratch world) would live on
+            # in the memo, and form cycles.
+            return exc.with_traceback(None)
         except _Pruned:
             return None
 
@@ -1528,6 +1570,14 @@ class Model:
 
     def invariants(self, s: State) -> list[tuple[str, str]]:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
+        # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
+        key = (s[:8], s[11:14], s[15:])
+        out = self._memo_invariants.get(key)
+        if out is None:
+            out = self._memo_invariants[key] = self._invariants(s)
+        return list(out)
+
+    def _invariants(self, s: State) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         live = [j for j in s.jobs if j.state in _LIVE]
         tier = s.tier
@@ -1651,7 +1701,16 @@ class Model:
     # ------------------------------------------------------------------ symmetry
 
     def canonical(self, s: State) -> State:
-        return self.canonical_with_maps(s).state
+        # Memoized on the state without its counters, which the representative keeps as they are (see
+        # _memo): states that differ only in them are renumbered once.
+        key = (s[:8], s[11:14], s[15:])
+        c = self._memo_canonical.get(key)
+        if c is None:
+            c = self._memo_canonical[key] = self.canonical_with_maps(s).state
+            return c
+        if c[8] == s[8] and c[9] == s[9] and c[10] == s[10] and c[14] == s[14]:
+            return c
+        return _new(State, (*c[:8], s[8], s[9], s[10], *c[11:14], s[14], *c[15:]))
 
     def canonical_with_maps(self, s: State) -> Canonical:
         """The representative of ``s``, and how its indices map back to those of ``s``.
@@ -1740,6 +1799,20 @@ class Canonical(NamedTuple):
 
 _FREE_GROUP = 1 << 20
 _new = tuple.__new__
+
+
+def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
+    """``r``, the result of an event on ``was``, moved onto ``s`` (``was`` but for its counters): the
+    counters arrivals, resets, preemptions (fields 8 to 10) and expiries (14) shifted by as much."""
+    if type(r) is not State or was is s:
+        return r
+    a = s[8] - was[8]
+    b = s[9] - was[9]
+    c = s[10] - was[10]
+    d = s[14] - was[14]
+    if not (a or b or c or d):
+        return r
+    return _new(State, (*r[:8], r[8] + a, r[9] + b, r[10] + c, *r[11:14], r[14] + d, *r[15:]))
 
 
 _TERMINAL_SKIP = (
