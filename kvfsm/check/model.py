@@ -476,6 +476,7 @@ class Model:
         self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
         self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
         self._memo_canonical: dict[tuple[Any, ...], State] = {}
+        self._memo_polls: dict[tuple[int, ...], tuple[list[int], list[int], tuple[int, ...]]] = {}
         self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
         self.initial = State(
@@ -502,6 +503,7 @@ class Model:
         self._memo_events.clear()
         self._memo_lookups.clear()
         self._memo_canonical.clear()
+        self._memo_polls.clear()
         self._memo_invariants.clear()
 
     # ------------------------------------------------------------------ spec machines, memoized
@@ -772,15 +774,15 @@ class Model:
             if r.eng == E_WAIT and (has_clean or free_dirty):
                 yield from self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
         if s.engine is not EngineState.IDLE:
-            yield ("step",), self._memo(self._step, s, -1)
+            yield ("step",), self._memo(self._step, s, -1, True)
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    yield ("preempt", i), self._memo(self._step, s, i)
+                    yield ("preempt", i), self._memo(self._step, s, i, True)
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
                     yield ("finish", i), self._memo(self._finish_request, s, i)
             if s.resets < b.resets:
-                yield ("reset",), self._memo(self._reset, s, -1)
+                yield ("reset",), self._memo(self._reset, s, -1, True)
             if b.shutdown:
                 yield ("shutdown",), self._memo(self._shutdown, s, -1)
 
@@ -792,8 +794,16 @@ class Model:
     # events are memoized, inside this Model, on the state without them (``created`` stays in the key: it
     # prunes), which computes each about half as often at the default bounds.
 
-    def _memo(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
-        key = (fn.__name__, arg, s[:8], s[11:14], s[15:])
+    def _memo(
+        self, fn: Callable[[State, int], State], s: State, arg: int, polls_first: bool = False
+    ) -> State | ModelViolation | None:
+        """``fn(s, arg)`` through _guard, memoized. ``polls_first``: ``fn`` runs the tiering manager's poll
+        before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
+        its result does not depend on ``s.polled`` either, which is left out of the key."""
+        if polls_first and self.bounds.tiers:
+            key: tuple[Any, ...] = (fn.__name__, arg, s[:6], s[7], s[11:14], s[15:])
+        else:
+            key = (fn.__name__, arg, s[:8], s[11:14], s[15:])
         hit = self._memo_events.get(key)
         if hit is None:
             r = self._guard(fn, s, arg)
@@ -1070,6 +1080,8 @@ class Model:
     def _poll(self, w: _World) -> None:
         """TieringManager._poll: apply every finished cascade, in the tier's report order (by keys)."""
         w.polled = True
+        if not w.tier:
+            return
         done = sorted(
             (t for t in w.tier if not t[_T_HARVESTED] and self.tier_reports(t)), key=lambda t: (t[_T_TIER], t[_T_KEYS])
         )
@@ -1238,17 +1250,19 @@ class Model:
 
         # Workers, before the forward: flush (launch, then wait), then launch this step's loads.
         loads = [j for j, job in enumerate(w.jobs) if job[_J_KIND] == LOAD and UNLAUNCHED in job[_J_SHARDS]]
-        for rank in range(W):
-            for j in sorted(flush):
-                job = w.jobs[j]
-                if j >= new_jobs_from and job[_J_KIND] == STORE:
-                    self._launch(job, rank)
-            for j in flush:
-                job = w.jobs[j]
-                if job[_J_SHARDS][rank] == COPYING:
-                    job[_J_SHARDS] = _with(job[_J_SHARDS], rank, DONE_OK)
-            for j in loads:
-                self._launch(w.jobs[j], rank)
+        if flush or loads:
+            ordered = sorted(flush)
+            for rank in range(W):
+                for j in ordered:
+                    job = w.jobs[j]
+                    if j >= new_jobs_from and job[_J_KIND] == STORE:
+                        self._launch(job, rank)
+                for j in flush:
+                    job = w.jobs[j]
+                    if job[_J_SHARDS][rank] == COPYING:
+                        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, DONE_OK)
+                for j in loads:
+                    self._launch(w.jobs[j], rank)
         # What this step writes on the GPU: loads into their groups, the forward into computed requests'.
         # A request's own jobs are no hazard to it: its stores read chunks it already computed, and its
         # forward writes later blocks.
@@ -1256,7 +1270,7 @@ class Model:
         for i, n in scheduled:
             if n > 0:
                 written.setdefault(reqs[i][_R_GROUP], i)
-        for job in w.jobs:
+        for job in w.jobs if written else ():
             # A timed-out store's blocks are unfenced on purpose: its copy only ever writes a slot that is
             # never committed.
             if (
@@ -1276,7 +1290,7 @@ class Model:
             reqs[i][_R_COMPUTED] += n
         # After the forward: launch every store not launched yet.
         for job in w.jobs:
-            if job[_J_KIND] == STORE:
+            if job[_J_KIND] == STORE and UNLAUNCHED in job[_J_SHARDS]:
                 for rank in range(W):
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
@@ -1388,22 +1402,23 @@ class Model:
         reported: dict[int, int] = {}  # job -> its reported_mask before this poll
         n = len(w.jobs)
         order = sorted(range(n), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS])) if n > 1 else range(n)
+        memo = self._memo_polls
         for j in order:
             job = w.jobs[j]
             shards = job[_J_SHARDS]
-            said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
-            ok = [r for r, x in enumerate(said) if x is True]
-            bad = [r for r, x in enumerate(said) if x is False]
+            poll = memo.get(shards)
+            if poll is None:
+                poll = memo[shards] = self._poll_shards(shards)
+            ok, bad, after = poll
             if ok or bad:
                 reported[j] = _reported(shards)
-                job[_J_SHARDS] = tuple(
-                    sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
-                    for sh, x in zip(shards, said, strict=True)
-                )
+                job[_J_SHARDS] = after
                 if bad:
                     failed[j] = bad
                 if ok:
                     completed[j] = ok
+        if not reported:
+            return  # no worker reported anything
         # Validate everything first (update_connector_output raises before it changes anything).
         for j in dict.fromkeys([*failed, *completed]):
             job = w.jobs[j]
@@ -1452,6 +1467,18 @@ class Model:
             ):
                 self._release(w, job)  # the last launched copy reported: release
 
+    def _poll_shards(self, shards: tuple[int, ...]) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """One job's shards at a poll of every worker: the ranks whose backend reports done, those that
+        report failed, and the shards afterwards. A function of ``shards`` alone (memoized on it in _report)."""
+        said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
+        ok = [r for r, x in enumerate(said) if x is True]
+        bad = [r for r, x in enumerate(said) if x is False]
+        after = tuple(
+            sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
+            for sh, x in zip(shards, said, strict=True)
+        )
+        return ok, bad, after
+
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
         if effect is None:
@@ -1477,6 +1504,8 @@ class Model:
     def _finish_loads(self, w: _World) -> None:
         """ReferenceEngine._finish_loads: loads no longer awaited hand their request back to the engine."""
         reqs = w.reqs
+        if not any(r[_R_ENG] == E_LOAD for r in reqs):
+            return
         loading = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_LOAD), key=lambda i: reqs[i][_R_POS])
         pos = sum(1 for r in reqs if r[_R_ENG] == E_RUN)
         for i in loading:
@@ -1838,6 +1867,17 @@ def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], in
         for r in reqs:
             if r[field] > 0:
                 r[field] = 0
+        return
+    if len(reqs) == 2:  # the common case, without the general one's grouping and sorting
+        a, b = reqs
+        fa, fb = a[field], b[field]
+        if fa >= 0 and fb >= 0 and klass(a) == klass(b):
+            a[field], b[field] = (0, 1) if fa <= fb else (1, 0)
+        else:
+            if fa > 0:
+                a[field] = 0
+            if fb > 0:
+                b[field] = 0
         return
     groups: dict[int, list[list[Any]]] = {}
     for r in reqs:
