@@ -476,6 +476,7 @@ class Model:
         self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
         self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
         self._memo_canonical: dict[tuple[Any, ...], State] = {}
+        self._memo_finishes: dict[tuple[Any, ...], tuple[Any, Any] | ModelViolation | None] = {}
         self._memo_polls: dict[tuple[int, ...], tuple[list[int], list[int], tuple[int, ...]]] = {}
         self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
@@ -503,6 +504,7 @@ class Model:
         self._memo_events.clear()
         self._memo_lookups.clear()
         self._memo_canonical.clear()
+        self._memo_finishes.clear()
         self._memo_polls.clear()
         self._memo_invariants.clear()
 
@@ -780,7 +782,7 @@ class Model:
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
                     yield ("preempt", i), self._memo(self._step, s, i, True)
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    yield ("finish", i), self._memo(self._finish_request, s, i)
+                    yield ("finish", i), self._memo_finish(s, i)
             if s.resets < b.resets:
                 yield ("reset",), self._memo(self._reset, s, -1, True)
             if b.shutdown:
@@ -810,6 +812,19 @@ class Model:
             self._memo_events[key] = (r, s)
             return r
         return _shift(hit[0], hit[1], s)
+
+    def _memo_finish(self, s: State, i: int) -> State | ModelViolation | None:
+        """_finish_request through _guard, memoized on what it reads: the requests and the jobs (the request
+        machine's answers depend on nothing else); the rest of ``s`` is carried over as it is."""
+        key = (i, s[1], s[2])
+        hit = self._memo_finishes.get(key)
+        if hit is None:
+            r = self._guard(self._finish_request, s, i)
+            hit = self._memo_finishes[key] = r if type(r) is not State else (r[1], r[2])
+            return r
+        if type(hit) is not tuple:
+            return hit
+        return _new(State, (s[0], hit[0], hit[1], *s[3:]))
 
     def _memo_lookup(
         self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
@@ -1203,7 +1218,9 @@ class Model:
             r[_R_COMPUTED] = 0
             r[_R_POS] = -1
             w.preemptions += 1
-        running = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN), key=lambda i: reqs[i][_R_POS])
+        running = [i for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN]
+        if len(running) > 1:
+            running.sort(key=lambda i: reqs[i][_R_POS])
         scheduled = [(i, self.total_tokens - reqs[i][_R_COMPUTED]) for i in running]
         allocated = {r[_R_GROUP] for r in reqs if r[_R_ALLOC]}
         new_jobs_from = len(w.jobs)
@@ -1234,7 +1251,9 @@ class Model:
         for i, n in scheduled:
             if reqs[i][_R_PHASE] is RequestState.RUNNING:
                 self._plan_stores(w, i, reqs[i][_R_COMPUTED] + n, allocated, flush)
-        finished = sorted((i for i, r in enumerate(reqs) if r[_R_FIN] >= 0), key=lambda i: reqs[i][_R_FIN])
+        finished = [i for i, r in enumerate(reqs) if r[_R_FIN] >= 0]
+        if len(finished) > 1:
+            finished.sort(key=lambda i: reqs[i][_R_FIN])
         for i in finished:
             self._plan_stores(w, i, reqs[i][_R_COMPUTED], allocated, flush)
         for i in finished:
@@ -1397,28 +1416,31 @@ class Model:
     def _report(self, w: _World) -> None:
         """Every worker polls; the scheduler applies the merged reports, one event per reporting rank
         (failures first, then acks; ranks in order)."""
-        completed: dict[int, list[int]] = {}
-        failed: dict[int, list[int]] = {}
-        reported: dict[int, int] = {}  # job -> its reported_mask before this poll
-        n = len(w.jobs)
-        order = sorted(range(n), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS])) if n > 1 else range(n)
+        jobs = w.jobs
         memo = self._memo_polls
-        for j in order:
-            job = w.jobs[j]
+        polls: list[tuple[int, tuple[list[int], list[int], tuple[int, ...]]]] = []
+        for j, job in enumerate(jobs):
             shards = job[_J_SHARDS]
             poll = memo.get(shards)
             if poll is None:
                 poll = memo[shards] = self._poll_shards(shards)
-            ok, bad, after = poll
-            if ok or bad:
-                reported[j] = _reported(shards)
-                job[_J_SHARDS] = after
-                if bad:
-                    failed[j] = bad
-                if ok:
-                    completed[j] = ok
-        if not reported:
+            if poll[0] or poll[1]:
+                polls.append((j, poll))
+        if not polls:
             return  # no worker reported anything
+        if len(polls) > 1:  # the scheduler's order: by kind, then keys (ties keep the job order)
+            polls.sort(key=lambda p: (jobs[p[0]][_J_KIND], jobs[p[0]][_J_KEYS]))
+        completed: dict[int, list[int]] = {}
+        failed: dict[int, list[int]] = {}
+        reported: dict[int, int] = {}  # job -> its reported_mask before this poll
+        for j, (ok, bad, after) in polls:
+            job = jobs[j]
+            reported[j] = _reported(job[_J_SHARDS])
+            job[_J_SHARDS] = after
+            if bad:
+                failed[j] = bad
+            if ok:
+                completed[j] = ok
         # Validate everything first (update_connector_output raises before it changes anything).
         for j in dict.fromkeys([*failed, *completed]):
             job = w.jobs[j]
@@ -1537,8 +1559,8 @@ class Model:
                 if j[_J_REQ] >= 0:
                     j[_J_REQ] = remap[j[_J_REQ]]
             w.reqs = [reqs[i] for i in keep]
-        _renumber(w.reqs, _R_POS, lambda r: r[_R_ENG])
-        _renumber(w.reqs, _R_FIN, lambda r: 0)
+        _renumber(w.reqs, _R_POS, _R_ENG)
+        _renumber(w.reqs, _R_FIN, -1)
         return w.freeze()
 
     # -- finish / abort, reset
@@ -1750,7 +1772,10 @@ class Model:
         """
         reqs = s.reqs
         nr = len(reqs)
-        rorder = sorted(range(nr), key=lambda i: _req_sort_key(reqs[i])) if nr > 1 else list(range(nr))
+        if nr == 2:  # the common case, without sorting
+            rorder = [1, 0] if _req_sort_key(reqs[1]) < _req_sort_key(reqs[0]) else [0, 1]
+        else:
+            rorder = sorted(range(nr), key=lambda i: _req_sort_key(reqs[i])) if nr > 1 else list(range(nr))
         rmap = {old: new for new, old in enumerate(rorder)}
         rmap[-1] = -1
         gmap: dict[int, int] = {}
@@ -1793,6 +1818,16 @@ class Model:
             g = jobs[k[-1]].group
             if g not in gmap:
                 gmap[g] = len(gmap)
+        tier = s.tier
+        torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
+        if (
+            not swap
+            and all(old == new for old, new in gmap.items())
+            and all(old == new for new, old in enumerate(rorder))
+            and all(old == new for new, old in enumerate(jorder))
+            and all(old == new for new, old in enumerate(torder))
+        ):
+            return Canonical(s, rorder, jorder, gmap, torder, wperm)  # s is its own representative
         new_reqs = []
         for i in rorder:
             r = reqs[i]
@@ -1806,8 +1841,6 @@ class Model:
                 new_jobs.append(job)
             else:
                 new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
-        tier = s.tier
-        torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         state = _new(
             State,
             (s.engine, tuple(new_reqs), tuple(new_jobs), s.slots, s.lru, tuple(tier[c] for c in torder), *s[6:]),
@@ -1861,8 +1894,9 @@ def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
     return (*shards[:rank], value, *shards[rank + 1 :])
 
 
-def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], int]) -> None:
-    """Compact a position field to 0..n-1 per class, keeping the order."""
+def _renumber(reqs: list[list[Any]], field: int, klass: int) -> None:
+    """Compact a position field to 0..n-1 per class (the value of field ``klass``; -1: one class), keeping
+    the order."""
     if len(reqs) < 2:
         for r in reqs:
             if r[field] > 0:
@@ -1871,7 +1905,7 @@ def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], in
     if len(reqs) == 2:  # the common case, without the general one's grouping and sorting
         a, b = reqs
         fa, fb = a[field], b[field]
-        if fa >= 0 and fb >= 0 and klass(a) == klass(b):
+        if fa >= 0 and fb >= 0 and (klass < 0 or a[klass] == b[klass]):
             a[field], b[field] = (0, 1) if fa <= fb else (1, 0)
         else:
             if fa > 0:
@@ -1882,7 +1916,7 @@ def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], in
     groups: dict[int, list[list[Any]]] = {}
     for r in reqs:
         if r[field] >= 0:
-            groups.setdefault(klass(r), []).append(r)
+            groups.setdefault(r[klass] if klass >= 0 else 0, []).append(r)
     for members in groups.values():
         members.sort(key=lambda r: r[field])
         for n, r in enumerate(members):
