@@ -476,7 +476,9 @@ class Model:
         self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
         self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
         self._memo_canonical: dict[tuple[Any, ...], State] = {}
-        self._memo_finishes: dict[tuple[Any, ...], tuple[Any, Any] | ModelViolation | None] = {}
+        self._memo_finishes: dict[
+            tuple[Any, ...], tuple[tuple[Req, ...], tuple[JobRec, ...]] | ModelViolation | None
+        ] = {}
         self._memo_polls: dict[tuple[int, ...], tuple[list[int], list[int], tuple[int, ...]]] = {}
         self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
@@ -817,14 +819,14 @@ class Model:
         """_finish_request through _guard, memoized on what it reads: the requests and the jobs (the request
         machine's answers depend on nothing else); the rest of ``s`` is carried over as it is."""
         key = (i, s[1], s[2])
-        hit = self._memo_finishes.get(key)
-        if hit is None:
+        hit = self._memo_finishes.get(key, _MISSING)
+        if hit is _MISSING:
             r = self._guard(self._finish_request, s, i)
-            hit = self._memo_finishes[key] = r if type(r) is not State else (r[1], r[2])
+            self._memo_finishes[key] = (r.reqs, r.jobs) if isinstance(r, State) else r
             return r
-        if type(hit) is not tuple:
-            return hit
-        return _new(State, (s[0], hit[0], hit[1], *s[3:]))
+        if isinstance(hit, tuple):
+            return _new(State, (s[0], hit[0], hit[1], *s[3:]))
+        return hit if isinstance(hit, ModelViolation) else None
 
     def _memo_lookup(
         self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
@@ -900,11 +902,7 @@ class Model:
         job[_J_REQ] = -1
         if _UNREPORTED_COPIES.isdisjoint(shards):
             self._release(w, job)
-        if (
-            i >= 0
-            and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED
-            and not any(x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs)
-        ):
+        if i >= 0 and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
             self._fire_req(w, i, RequestEvent.DELETE)
 
     def _release(self, w: _World, job: list[Any]) -> None:
@@ -1007,7 +1005,7 @@ class Model:
     def _lookup_result(self, w: _World, i: int) -> int | None:
         """Runs get_num_new_matched_tokens on ``w``: the number of hit chunks, or None if deferred."""
         r = w.reqs[i]
-        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        has_jobs = _awaits(w.jobs, i)
         if has_jobs:
             r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, has_jobs)[0]
             return None
@@ -1203,7 +1201,7 @@ class Model:
 
     def _fire_req(self, w: _World, i: int, event: RequestEvent) -> RequestEffect | None:
         r = w.reqs[i]
-        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        has_jobs = _awaits(w.jobs, i)
         r[_R_PHASE], effect = self.req_event(r[_R_PHASE], event, has_jobs)
         return effect
 
@@ -1259,7 +1257,7 @@ class Model:
         for i in finished:
             reqs[i][_R_FIN] = -1
             self._fire_req(w, i, RequestEvent.SIGNAL)
-            if not any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs):
+            if not _awaits(w.jobs, i):
                 self._fire_req(w, i, RequestEvent.DELETE)
         if w.reset_flush:
             flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
@@ -1321,7 +1319,12 @@ class Model:
         self._finish_loads(w)
         if w.engine is EngineState.SHUTTING_DOWN:
             return self._compact(w)  # flush_all's empty step: no settle
-        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
+        unfinished = False
+        for r in w.reqs:
+            if r[_R_ENG] != E_DONE:
+                unfinished = True
+                break
+        event = settle_event(w.engine, unfinished)
         if event is EngineEvent.SETTLE:
             live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
             pending = self.has_pending_push_work(w.jobs, w.tier)
@@ -1518,9 +1521,7 @@ class Model:
         r = w.reqs[i]
         if job[_J_KIND] == LOAD and r[_R_PHASE] is RequestState.LOADING:
             self._fire_req(w, i, RequestEvent.LOAD_DONE)
-        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not any(
-            x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs
-        ):
+        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
             self._fire_req(w, i, RequestEvent.DELETE)
 
     def _finish_loads(self, w: _World) -> None:
@@ -1861,6 +1862,7 @@ class Canonical(NamedTuple):
 
 _FREE_GROUP = 1 << 20
 _new = tuple.__new__
+_MISSING: Any = object()
 
 
 def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
@@ -1888,6 +1890,14 @@ _TERMINAL_SKIP = (
 
 def _req_sort_key(r: Req) -> tuple[Any, ...]:
     return (r.phase, r.eng, r.prompt, r.computed, r.next_chunk, r.group >= 0, r.pos, r.fin_pos, r.alloc)
+
+
+def _awaits(jobs: Sequence[Sequence[Any]], i: int) -> bool:
+    """Whether the scheduler awaits a job of request ``i`` (a loop: this is asked on every hot path)."""
+    for j in jobs:
+        if j[_J_REQ] == i and (j[_J_STATE] is JobState.SUBMITTED or j[_J_STATE] is JobState.IN_FLIGHT):
+            return True
+    return False
 
 
 def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
