@@ -728,9 +728,12 @@ class Model:
         if s.reqs[i].eng == E_WAIT and (has_clean or free_dirty):
             yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
 
-    def successors(self, s: State) -> Iterator[tuple[Label, State | ModelViolation | None]]:
-        """Every enabled event of ``s`` with its successor (not canonical), a violation, or None (pruned)."""
+    def successors(self, s: State) -> list[tuple[Label, State | ModelViolation | None]]:
+        """Every enabled event of ``s`` with its successor (not canonical), a violation, or None (pruned), in
+        a fixed order (a list rather than a generator: cheaper, and every event is taken anyway)."""
         b = self.bounds
+        out: list[tuple[Label, State | ModelViolation | None]] = []
+        add = out.append
         batch_open = any(r.alloc for r in s.reqs)
         # Environment: a copy or a cascade finishes (or fails).
         outcomes = (True, False) if b.failures else (True,)
@@ -738,57 +741,58 @@ class Model:
             for w, shard in enumerate(job.shards):
                 if shard == COPYING:
                     for ok in outcomes:
-                        yield ("copy", j, w, ok), self._copy_done(s, j, w, ok)
+                        add((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
-                    yield ("copy", j, w, True), self._copy_done(s, j, w, True)
+                    add((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
                 for ok in outcomes:
-                    yield ("tier", c, ok), self._tier_done(s, c, ok)
+                    add((("tier", c, ok), self._tier_done(s, c, ok)))
             elif rec.status == SYNCING:
-                yield ("sync", c), self._sync_done(s, c)
+                add((("sync", c), self._sync_done(s, c)))
         if s.expiries < b.deadlines:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
-                    yield ("expire", j), self._expire(s, j)
+                    add((("expire", j), self._expire(s, j)))
         if s.engine is EngineState.STOPPED:
-            return  # the process has stopped: nothing else happens
+            return out  # the process has stopped: nothing else happens
         if s.engine is EngineState.SHUTTING_DOWN:
             # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
             if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
-                yield ("step",), self._guard(self._step, s, -1)
-                yield ("give_up",), self._guard(self._give_up, s, -1)
+                add((("step",), self._guard(self._step, s, -1)))
+                add((("give_up",), self._guard(self._give_up, s, -1)))
             else:
-                yield ("stop",), self._guard(self._stop, s, -1)
-            return
+                add((("stop",), self._guard(self._stop, s, -1)))
+            return out
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
-                yield ("arrive", p), self._guard(self._arrive, s, p)
+                add((("arrive", p), self._guard(self._arrive, s, p)))
         if s.blocked:
             # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
             if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
-                yield ("unblock",), self._guard(self._unblock, s, -1)
-            return
+                add((("unblock",), self._guard(self._unblock, s, -1)))
+            return out
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
         has_clean = len(used) < self.G
         for i, r in enumerate(s.reqs):
             if r.eng == E_WAIT and (has_clean or free_dirty):
-                yield from self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+                out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
         if s.engine is not EngineState.IDLE:
-            yield ("step",), self._memo(self._step, s, -1, True)
+            add((("step",), self._memo(self._step, s, -1, True)))
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    yield ("preempt", i), self._memo(self._step, s, i, True)
+                    add((("preempt", i), self._memo(self._step, s, i, True)))
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    yield ("finish", i), self._memo_finish(s, i)
+                    add((("finish", i), self._memo_finish(s, i)))
             if s.resets < b.resets:
-                yield ("reset",), self._memo(self._reset, s, -1, True)
+                add((("reset",), self._memo(self._reset, s, -1, True)))
             if b.shutdown:
-                yield ("shutdown",), self._memo(self._shutdown, s, -1)
+                add((("shutdown",), self._memo(self._shutdown, s, -1)))
+        return out
 
     # -- memoized events
     #
@@ -805,9 +809,9 @@ class Model:
         before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
         its result does not depend on ``s.polled`` either, which is left out of the key."""
         if polls_first and self.bounds.tiers:
-            key: tuple[Any, ...] = (fn.__name__, arg, s[:6], s[7], s[11:14], s[15:])
+            key: tuple[Any, ...] = (fn.__name__, arg, *s[:6], *s[7:8], *s[11:14], *s[15:])
         else:
-            key = (fn.__name__, arg, s[:8], s[11:14], s[15:])
+            key = (fn.__name__, arg, *s[:8], *s[11:14], *s[15:])
         hit = self._memo_events.get(key)
         if hit is None:
             r = self._guard(fn, s, arg)
@@ -831,7 +835,7 @@ class Model:
     def _memo_lookup(
         self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
     ) -> list[tuple[Label, State | ModelViolation | None]]:
-        key = ("lookup", i, s[:8], s[11:14], s[15:])
+        key = (i, *s[:8], *s[11:14], *s[15:])
         hit = self._memo_lookups.get(key)
         if hit is None:
             out = list(self._lookup(s, i, clean, free_dirty, has_clean))
@@ -1623,7 +1627,7 @@ class Model:
     def invariants(self, s: State) -> list[tuple[str, str]]:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
         # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
-        key = (s[:8], s[11:14], s[15:])
+        key = s[:8] + s[11:14] + s[15:]
         out = self._memo_invariants.get(key)
         if out is None:
             out = self._memo_invariants[key] = self._invariants(s)
@@ -1755,7 +1759,7 @@ class Model:
     def canonical(self, s: State) -> State:
         # Memoized on the state without its counters, which the representative keeps as they are (see
         # _memo): states that differ only in them are renumbered once.
-        key = (s[:8], s[11:14], s[15:])
+        key = s[:8] + s[11:14] + s[15:]
         c = self._memo_canonical.get(key)
         if c is None:
             c = self._memo_canonical[key] = self.canonical_with_maps(s).state
