@@ -1735,7 +1735,7 @@ class Model:
                     "(the reset's flush did not happen first)",
                 )
             )
-        for i in range(len(s.reqs)):
+        for i in range(len(s.reqs)) if len(live) > 1 else ():  # it takes two awaited jobs to break it
             mine = [j for j in live if j.req == i]
             loads = sum(1 for j in mine if j.kind == LOAD)
             if loads > 1 or (loads and len(mine) > loads):
@@ -1825,12 +1825,13 @@ class Model:
                 gmap[g] = len(gmap)
         tier = s.tier
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
+        # (gmap numbers the groups in the order it met them: it is the identity iff its keys are 0, 1, ...)
         if (
             not swap
-            and all(old == new for old, new in gmap.items())
-            and all(old == new for new, old in enumerate(rorder))
-            and all(old == new for new, old in enumerate(jorder))
-            and all(old == new for new, old in enumerate(torder))
+            and rorder == list(range(nr))
+            and jorder == list(range(len(jobs)))
+            and torder == list(range(len(tier)))
+            and list(gmap) == list(range(len(gmap)))
         ):
             return Canonical(s, rorder, jorder, gmap, torder, wperm)  # s is its own representative
         new_reqs = []
