@@ -123,6 +123,7 @@ class ExplorationResult:
     liveness_checked: bool = False
     responsiveness_checks: int = 0  #: arrivals while the engine drained, each checked for responsiveness
     drain: DrainMode = DrainMode.NON_BLOCKING
+    cpu_seconds: float = 0.0  #: CPU time of the exploration (time.process_time), liveness included
 
     @property
     def ok(self) -> bool:
@@ -132,6 +133,11 @@ class ExplorationResult:
     def states_per_second(self) -> float:
         return self.states / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def states_per_cpu_second(self) -> float:
+        """States per second of CPU time: the checker's speed on one core, whatever else the machine runs."""
+        return self.states / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
+
     def summary(self) -> dict[str, object]:
         return {
             "bounds": self.bounds.as_dict(),
@@ -139,6 +145,8 @@ class ExplorationResult:
             "edges": self.edges,
             "seconds": round(self.seconds, 3),
             "states_per_second": round(self.states_per_second),
+            "cpu_seconds": round(self.cpu_seconds, 3),
+            "states_per_cpu_second": round(self.states_per_cpu_second),
             "complete": self.complete,
             "pruned_edges": self.pruned,
             "liveness_checked": self.liveness_checked,
@@ -229,6 +237,7 @@ def _explore(
     successors = model.successors
     invariants = model.invariants
     start = time.perf_counter()
+    cpu_start = time.process_time()
 
     init = canonical(model.initial)
     ids: dict[State, int] = {init: 0}
@@ -283,6 +292,7 @@ def _explore(
             liveness,
             arrivals_checked,
             model.drain,
+            time.process_time() - cpu_start,
         )
 
     for name, detail in invariants(init):
