@@ -46,6 +46,7 @@ the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -374,11 +375,11 @@ class _World:
 
     def __init__(self, s: State) -> None:
         self.engine = s.engine
-        self.reqs: list[list[Any]] = [list(r) for r in s.reqs]
-        self.jobs: list[list[Any]] = [list(j) for j in s.jobs]
+        self.reqs: list[list[Any]] = list(map(list, s.reqs))
+        self.jobs: list[list[Any]] = list(map(list, s.jobs))
         self.slots = list(s.slots)
         self.lru = list(s.lru)
-        self.tier: list[list[Any]] = [list(t) for t in s.tier]
+        self.tier: list[list[Any]] = list(map(list, s.tier))
         self.polled = s.polled
         self.reset_flush = s.reset_flush
         self.arrivals = s.arrivals
@@ -396,11 +397,11 @@ class _World:
             State,
             (
                 self.engine,
-                tuple([new(Req, r) for r in self.reqs]),
-                tuple([new(JobRec, j) for j in self.jobs]),
+                tuple(map(_new_req, self.reqs)),
+                tuple(map(_new_job, self.jobs)),
                 tuple(self.slots),
                 tuple(self.lru),
-                tuple([new(TierRec, t) for t in self.tier]),
+                tuple(map(_new_tier, self.tier)),
                 self.polled,
                 self.reset_flush,
                 self.arrivals,
@@ -414,6 +415,11 @@ class _World:
             ),
         )
 
+
+# Records from the mutable lists of _World (C-level constructors, without NamedTuple.__new__'s arguments).
+_new_req = functools.partial(tuple.__new__, Req)
+_new_job = functools.partial(tuple.__new__, JobRec)
+_new_tier = functools.partial(tuple.__new__, TierRec)
 
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
