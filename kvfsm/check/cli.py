@@ -437,7 +437,8 @@ def _print_text(
     status = "complete" if result.complete else "stopped early"
     print(
         f"{result.states:,} states, {result.edges:,} edges in {result.seconds:.2f} s "
-        f"({result.states_per_second:,.0f} states/s, {result.edges / max(result.seconds, 1e-9):,.0f} edges/s); "
+        f"({result.states_per_second:,.0f} states/s, {result.edges / max(result.seconds, 1e-9):,.0f} edges/s; "
+        f"{result.cpu_seconds:.2f} s CPU, {result.states_per_cpu_second:,.0f} states/s by CPU time); "
         f"{status}"
         + (f", {result.pruned:,} edges pruned by --max-jobs" if result.pruned else "")
         + (", liveness checked" if result.liveness_checked else "")

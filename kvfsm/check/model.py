@@ -46,6 +46,7 @@ the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -374,11 +375,11 @@ class _World:
 
     def __init__(self, s: State) -> None:
         self.engine = s.engine
-        self.reqs: list[list[Any]] = [list(r) for r in s.reqs]
-        self.jobs: list[list[Any]] = [list(j) for j in s.jobs]
+        self.reqs: list[list[Any]] = list(map(list, s.reqs))
+        self.jobs: list[list[Any]] = list(map(list, s.jobs))
         self.slots = list(s.slots)
         self.lru = list(s.lru)
-        self.tier: list[list[Any]] = [list(t) for t in s.tier]
+        self.tier: list[list[Any]] = list(map(list, s.tier))
         self.polled = s.polled
         self.reset_flush = s.reset_flush
         self.arrivals = s.arrivals
@@ -396,11 +397,11 @@ class _World:
             State,
             (
                 self.engine,
-                tuple([new(Req, r) for r in self.reqs]),
-                tuple([new(JobRec, j) for j in self.jobs]),
+                tuple(map(_new_req, self.reqs)),
+                tuple(map(_new_job, self.jobs)),
                 tuple(self.slots),
                 tuple(self.lru),
-                tuple([new(TierRec, t) for t in self.tier]),
+                tuple(map(_new_tier, self.tier)),
                 self.polled,
                 self.reset_flush,
                 self.arrivals,
@@ -414,6 +415,11 @@ class _World:
             ),
         )
 
+
+# Records from the mutable lists of _World (C-level constructors, without NamedTuple.__new__'s arguments).
+_new_req = functools.partial(tuple.__new__, Req)
+_new_job = functools.partial(tuple.__new__, JobRec)
+_new_tier = functools.partial(tuple.__new__, TierRec)
 
 # Field positions, for the mutable lists of _World.
 _R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
@@ -473,6 +479,14 @@ class Model:
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
+        self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
+        self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
+        self._memo_canonical: dict[tuple[Any, ...], State] = {}
+        self._memo_finishes: dict[
+            tuple[Any, ...], tuple[tuple[Req, ...], tuple[JobRec, ...]] | ModelViolation | None
+        ] = {}
+        self._memo_polls: dict[tuple[int, ...], tuple[list[int], list[int], tuple[int, ...]]] = {}
+        self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
         self.initial = State(
             EngineState.IDLE,
@@ -492,6 +506,15 @@ class Model:
             0,
             False,
         )
+
+    def forget(self) -> None:
+        """Drop the memoized events, representatives and invariants (each exploration starts afresh)."""
+        self._memo_events.clear()
+        self._memo_lookups.clear()
+        self._memo_canonical.clear()
+        self._memo_finishes.clear()
+        self._memo_polls.clear()
+        self._memo_invariants.clear()
 
     # ------------------------------------------------------------------ spec machines, memoized
 
@@ -711,9 +734,12 @@ class Model:
         if s.reqs[i].eng == E_WAIT and (has_clean or free_dirty):
             yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
 
-    def successors(self, s: State) -> Iterator[tuple[Label, State | ModelViolation | None]]:
-        """Every enabled event of ``s`` with its successor (not canonical), a violation, or None (pruned)."""
+    def successors(self, s: State) -> list[tuple[Label, State | ModelViolation | None]]:
+        """Every enabled event of ``s`` with its successor (not canonical), a violation, or None (pruned), in
+        a fixed order (a list rather than a generator: cheaper, and every event is taken anyway)."""
         b = self.bounds
+        out: list[tuple[Label, State | ModelViolation | None]] = []
+        add = out.append
         batch_open = any(r.alloc for r in s.reqs)
         # Environment: a copy or a cascade finishes (or fails).
         outcomes = (True, False) if b.failures else (True,)
@@ -721,63 +747,116 @@ class Model:
             for w, shard in enumerate(job.shards):
                 if shard == COPYING:
                     for ok in outcomes:
-                        yield ("copy", j, w, ok), self._copy_done(s, j, w, ok)
+                        add((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
-                    yield ("copy", j, w, True), self._copy_done(s, j, w, True)
+                    add((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
                 for ok in outcomes:
-                    yield ("tier", c, ok), self._tier_done(s, c, ok)
+                    add((("tier", c, ok), self._tier_done(s, c, ok)))
             elif rec.status == SYNCING:
-                yield ("sync", c), self._sync_done(s, c)
+                add((("sync", c), self._sync_done(s, c)))
         if s.expiries < b.deadlines:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
-                    yield ("expire", j), self._expire(s, j)
+                    add((("expire", j), self._expire(s, j)))
         if s.engine is EngineState.STOPPED:
-            return  # the process has stopped: nothing else happens
+            return out  # the process has stopped: nothing else happens
         if s.engine is EngineState.SHUTTING_DOWN:
             # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
             if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
-                yield ("step",), self._guard(self._step, s, -1)
-                yield ("give_up",), self._guard(self._give_up, s, -1)
+                add((("step",), self._guard(self._step, s, -1)))
+                add((("give_up",), self._guard(self._give_up, s, -1)))
             else:
-                yield ("stop",), self._guard(self._stop, s, -1)
-            return
+                add((("stop",), self._guard(self._stop, s, -1)))
+            return out
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
-                yield ("arrive", p), self._guard(self._arrive, s, p)
+                add((("arrive", p), self._guard(self._arrive, s, p)))
         if s.blocked:
             # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
             if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
-                yield ("unblock",), self._guard(self._unblock, s, -1)
-            return
+                add((("unblock",), self._guard(self._unblock, s, -1)))
+            return out
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
         free_dirty = sorted(used - owned)
         has_clean = len(used) < self.G
         for i, r in enumerate(s.reqs):
             if r.eng == E_WAIT and (has_clean or free_dirty):
-                yield from self._lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+                out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
         if s.engine is not EngineState.IDLE:
-            yield ("step",), self._guard(self._step, s, -1)
+            add((("step",), self._memo(self._step, s, -1, True)))
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    yield ("preempt", i), self._guard(self._step, s, i)
+                    add((("preempt", i), self._memo(self._step, s, i, True)))
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    yield ("finish", i), self._guard(self._finish_request, s, i)
+                    add((("finish", i), self._memo_finish(s, i)))
             if s.resets < b.resets:
-                yield ("reset",), self._guard(self._reset, s, -1)
+                add((("reset",), self._memo(self._reset, s, -1, True)))
             if b.shutdown:
-                yield ("shutdown",), self._guard(self._shutdown, s, -1)
+                add((("shutdown",), self._memo(self._shutdown, s, -1)))
+        return out
+
+    # -- memoized events
+    #
+    # The counters (arrivals, resets, preemptions, expiries) are read only by the guards in successors()
+    # and only ever incremented by the events that use them up: every event's result on a state is its
+    # result on the same state with other counters, with the counters shifted by as much. So the expensive
+    # events are memoized, inside this Model, on the state without them (``created`` stays in the key: it
+    # prunes), which computes each about half as often at the default bounds.
+
+    def _memo(
+        self, fn: Callable[[State, int], State], s: State, arg: int, polls_first: bool = False
+    ) -> State | ModelViolation | None:
+        """``fn(s, arg)`` through _guard, memoized. ``polls_first``: ``fn`` runs the tiering manager's poll
+        before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
+        its result does not depend on ``s.polled`` either, which is left out of the key."""
+        if polls_first and self.bounds.tiers:
+            key: tuple[Any, ...] = (fn.__name__, arg, *s[:6], *s[7:8], *s[11:14], *s[15:])
+        else:
+            key = (fn.__name__, arg, *s[:8], *s[11:14], *s[15:])
+        hit = self._memo_events.get(key)
+        if hit is None:
+            r = self._guard(fn, s, arg)
+            self._memo_events[key] = (r, s)
+            return r
+        return _shift(hit[0], hit[1], s)
+
+    def _memo_finish(self, s: State, i: int) -> State | ModelViolation | None:
+        """_finish_request through _guard, memoized on what it reads: the requests and the jobs (the request
+        machine's answers depend on nothing else); the rest of ``s`` is carried over as it is."""
+        key = (i, s[1], s[2])
+        hit = self._memo_finishes.get(key, _MISSING)
+        if hit is _MISSING:
+            r = self._guard(self._finish_request, s, i)
+            self._memo_finishes[key] = (r.reqs, r.jobs) if isinstance(r, State) else r
+            return r
+        if isinstance(hit, tuple):
+            return _new(State, (s[0], hit[0], hit[1], *s[3:]))
+        return hit if isinstance(hit, ModelViolation) else None
+
+    def _memo_lookup(
+        self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
+    ) -> list[tuple[Label, State | ModelViolation | None]]:
+        key = (i, *s[:8], *s[11:14], *s[15:])
+        hit = self._memo_lookups.get(key)
+        if hit is None:
+            out = list(self._lookup(s, i, clean, free_dirty, has_clean))
+            self._memo_lookups[key] = (out, s)
+            return out
+        was = hit[1]
+        return [(lab, _shift(r, was, s)) for lab, r in hit[0]]
 
     def _guard(self, fn: Callable[[State, int], State], s: State, arg: int) -> State | ModelViolation | None:
         try:
             return fn(s, arg)
         except ModelViolation as exc:
-            return exc
+            # Without its traceback: the frames it holds (the event's whole scratch world) would live on
+            # in the memo, and form cycles.
+            return exc.with_traceback(None)
         except _Pruned:
             return None
 
@@ -833,11 +912,7 @@ class Model:
         job[_J_REQ] = -1
         if _UNREPORTED_COPIES.isdisjoint(shards):
             self._release(w, job)
-        if (
-            i >= 0
-            and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED
-            and not any(x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs)
-        ):
+        if i >= 0 and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
             self._fire_req(w, i, RequestEvent.DELETE)
 
     def _release(self, w: _World, job: list[Any]) -> None:
@@ -940,7 +1015,7 @@ class Model:
     def _lookup_result(self, w: _World, i: int) -> int | None:
         """Runs get_num_new_matched_tokens on ``w``: the number of hit chunks, or None if deferred."""
         r = w.reqs[i]
-        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        has_jobs = _awaits(w.jobs, i)
         if has_jobs:
             r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, has_jobs)[0]
             return None
@@ -1028,6 +1103,8 @@ class Model:
     def _poll(self, w: _World) -> None:
         """TieringManager._poll: apply every finished cascade, in the tier's report order (by keys)."""
         w.polled = True
+        if not w.tier:
+            return
         done = sorted(
             (t for t in w.tier if not t[_T_HARVESTED] and self.tier_reports(t)), key=lambda t: (t[_T_TIER], t[_T_KEYS])
         )
@@ -1134,7 +1211,7 @@ class Model:
 
     def _fire_req(self, w: _World, i: int, event: RequestEvent) -> RequestEffect | None:
         r = w.reqs[i]
-        has_jobs = any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs)
+        has_jobs = _awaits(w.jobs, i)
         r[_R_PHASE], effect = self.req_event(r[_R_PHASE], event, has_jobs)
         return effect
 
@@ -1149,7 +1226,9 @@ class Model:
             r[_R_COMPUTED] = 0
             r[_R_POS] = -1
             w.preemptions += 1
-        running = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN), key=lambda i: reqs[i][_R_POS])
+        running = [i for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN]
+        if len(running) > 1:
+            running.sort(key=lambda i: reqs[i][_R_POS])
         scheduled = [(i, self.total_tokens - reqs[i][_R_COMPUTED]) for i in running]
         allocated = {r[_R_GROUP] for r in reqs if r[_R_ALLOC]}
         new_jobs_from = len(w.jobs)
@@ -1180,13 +1259,15 @@ class Model:
         for i, n in scheduled:
             if reqs[i][_R_PHASE] is RequestState.RUNNING:
                 self._plan_stores(w, i, reqs[i][_R_COMPUTED] + n, allocated, flush)
-        finished = sorted((i for i, r in enumerate(reqs) if r[_R_FIN] >= 0), key=lambda i: reqs[i][_R_FIN])
+        finished = [i for i, r in enumerate(reqs) if r[_R_FIN] >= 0]
+        if len(finished) > 1:
+            finished.sort(key=lambda i: reqs[i][_R_FIN])
         for i in finished:
             self._plan_stores(w, i, reqs[i][_R_COMPUTED], allocated, flush)
         for i in finished:
             reqs[i][_R_FIN] = -1
             self._fire_req(w, i, RequestEvent.SIGNAL)
-            if not any(j[_J_REQ] == i and j[_J_STATE] in _LIVE for j in w.jobs):
+            if not _awaits(w.jobs, i):
                 self._fire_req(w, i, RequestEvent.DELETE)
         if w.reset_flush:
             flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
@@ -1196,17 +1277,19 @@ class Model:
 
         # Workers, before the forward: flush (launch, then wait), then launch this step's loads.
         loads = [j for j, job in enumerate(w.jobs) if job[_J_KIND] == LOAD and UNLAUNCHED in job[_J_SHARDS]]
-        for rank in range(W):
-            for j in sorted(flush):
-                job = w.jobs[j]
-                if j >= new_jobs_from and job[_J_KIND] == STORE:
-                    self._launch(job, rank)
-            for j in flush:
-                job = w.jobs[j]
-                if job[_J_SHARDS][rank] == COPYING:
-                    job[_J_SHARDS] = _with(job[_J_SHARDS], rank, DONE_OK)
-            for j in loads:
-                self._launch(w.jobs[j], rank)
+        if flush or loads:
+            ordered = sorted(flush)
+            for rank in range(W):
+                for j in ordered:
+                    job = w.jobs[j]
+                    if j >= new_jobs_from and job[_J_KIND] == STORE:
+                        self._launch(job, rank)
+                for j in flush:
+                    job = w.jobs[j]
+                    if job[_J_SHARDS][rank] == COPYING:
+                        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, DONE_OK)
+                for j in loads:
+                    self._launch(w.jobs[j], rank)
         # What this step writes on the GPU: loads into their groups, the forward into computed requests'.
         # A request's own jobs are no hazard to it: its stores read chunks it already computed, and its
         # forward writes later blocks.
@@ -1214,7 +1297,7 @@ class Model:
         for i, n in scheduled:
             if n > 0:
                 written.setdefault(reqs[i][_R_GROUP], i)
-        for job in w.jobs:
+        for job in w.jobs if written else ():
             # A timed-out store's blocks are unfenced on purpose: its copy only ever writes a slot that is
             # never committed.
             if (
@@ -1234,7 +1317,7 @@ class Model:
             reqs[i][_R_COMPUTED] += n
         # After the forward: launch every store not launched yet.
         for job in w.jobs:
-            if job[_J_KIND] == STORE:
+            if job[_J_KIND] == STORE and UNLAUNCHED in job[_J_SHARDS]:
                 for rank in range(W):
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
@@ -1246,7 +1329,12 @@ class Model:
         self._finish_loads(w)
         if w.engine is EngineState.SHUTTING_DOWN:
             return self._compact(w)  # flush_all's empty step: no settle
-        event = settle_event(w.engine, any(r[_R_ENG] in (E_WAIT, E_LOAD, E_RUN) for r in w.reqs))
+        unfinished = False
+        for r in w.reqs:
+            if r[_R_ENG] != E_DONE:
+                unfinished = True
+                break
+        event = settle_event(w.engine, unfinished)
         if event is EngineEvent.SETTLE:
             live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
             pending = self.has_pending_push_work(w.jobs, w.tier)
@@ -1341,27 +1429,31 @@ class Model:
     def _report(self, w: _World) -> None:
         """Every worker polls; the scheduler applies the merged reports, one event per reporting rank
         (failures first, then acks; ranks in order)."""
+        jobs = w.jobs
+        memo = self._memo_polls
+        polls: list[tuple[int, tuple[list[int], list[int], tuple[int, ...]]]] = []
+        for j, job in enumerate(jobs):
+            shards = job[_J_SHARDS]
+            poll = memo.get(shards)
+            if poll is None:
+                poll = memo[shards] = self._poll_shards(shards)
+            if poll[0] or poll[1]:
+                polls.append((j, poll))
+        if not polls:
+            return  # no worker reported anything
+        if len(polls) > 1:  # the scheduler's order: by kind, then keys (ties keep the job order)
+            polls.sort(key=lambda p: (jobs[p[0]][_J_KIND], jobs[p[0]][_J_KEYS]))
         completed: dict[int, list[int]] = {}
         failed: dict[int, list[int]] = {}
         reported: dict[int, int] = {}  # job -> its reported_mask before this poll
-        n = len(w.jobs)
-        order = sorted(range(n), key=lambda j: (w.jobs[j][_J_KIND], w.jobs[j][_J_KEYS])) if n > 1 else range(n)
-        for j in order:
-            job = w.jobs[j]
-            shards = job[_J_SHARDS]
-            said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
-            ok = [r for r, x in enumerate(said) if x is True]
-            bad = [r for r, x in enumerate(said) if x is False]
-            if ok or bad:
-                reported[j] = _reported(shards)
-                job[_J_SHARDS] = tuple(
-                    sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
-                    for sh, x in zip(shards, said, strict=True)
-                )
-                if bad:
-                    failed[j] = bad
-                if ok:
-                    completed[j] = ok
+        for j, (ok, bad, after) in polls:
+            job = jobs[j]
+            reported[j] = _reported(job[_J_SHARDS])
+            job[_J_SHARDS] = after
+            if bad:
+                failed[j] = bad
+            if ok:
+                completed[j] = ok
         # Validate everything first (update_connector_output raises before it changes anything).
         for j in dict.fromkeys([*failed, *completed]):
             job = w.jobs[j]
@@ -1410,6 +1502,18 @@ class Model:
             ):
                 self._release(w, job)  # the last launched copy reported: release
 
+    def _poll_shards(self, shards: tuple[int, ...]) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """One job's shards at a poll of every worker: the ranks whose backend reports done, those that
+        report failed, and the shards afterwards. A function of ``shards`` alone (memoized on it in _report)."""
+        said = [self.backend_reports(sh) if sh not in (REPORTED, REPORTED_COPYING) else None for sh in shards]
+        ok = [r for r, x in enumerate(said) if x is True]
+        bad = [r for r, x in enumerate(said) if x is False]
+        after = tuple(
+            sh if x is None else REPORTED if sh in (DONE_OK, DONE_FAIL) else REPORTED_COPYING
+            for sh, x in zip(shards, said, strict=True)
+        )
+        return ok, bad, after
+
     def _job_finished(self, w: _World, j: int, effect: JobEffect | None) -> None:
         """OffloadingScheduler._finish: the job's outcome reaches the manager and its request."""
         if effect is None:
@@ -1427,14 +1531,14 @@ class Model:
         r = w.reqs[i]
         if job[_J_KIND] == LOAD and r[_R_PHASE] is RequestState.LOADING:
             self._fire_req(w, i, RequestEvent.LOAD_DONE)
-        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not any(
-            x[_J_REQ] == i and x[_J_STATE] in _LIVE for x in w.jobs
-        ):
+        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
             self._fire_req(w, i, RequestEvent.DELETE)
 
     def _finish_loads(self, w: _World) -> None:
         """ReferenceEngine._finish_loads: loads no longer awaited hand their request back to the engine."""
         reqs = w.reqs
+        if not any(r[_R_ENG] == E_LOAD for r in reqs):
+            return
         loading = sorted((i for i, r in enumerate(reqs) if r[_R_ENG] == E_LOAD), key=lambda i: reqs[i][_R_POS])
         pos = sum(1 for r in reqs if r[_R_ENG] == E_RUN)
         for i in loading:
@@ -1466,8 +1570,8 @@ class Model:
                 if j[_J_REQ] >= 0:
                     j[_J_REQ] = remap[j[_J_REQ]]
             w.reqs = [reqs[i] for i in keep]
-        _renumber(w.reqs, _R_POS, lambda r: r[_R_ENG])
-        _renumber(w.reqs, _R_FIN, lambda r: 0)
+        _renumber(w.reqs, _R_POS, _R_ENG)
+        _renumber(w.reqs, _R_FIN, -1)
         return w.freeze()
 
     # -- finish / abort, reset
@@ -1528,6 +1632,14 @@ class Model:
 
     def invariants(self, s: State) -> list[tuple[str, str]]:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
+        # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
+        key = s[:8] + s[11:14] + s[15:]
+        out = self._memo_invariants.get(key)
+        if out is None:
+            out = self._memo_invariants[key] = self._invariants(s)
+        return list(out)
+
+    def _invariants(self, s: State) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         live = [j for j in s.jobs if j.state in _LIVE]
         tier = s.tier
@@ -1629,7 +1741,7 @@ class Model:
                     "(the reset's flush did not happen first)",
                 )
             )
-        for i in range(len(s.reqs)):
+        for i in range(len(s.reqs)) if len(live) > 1 else ():  # it takes two awaited jobs to break it
             mine = [j for j in live if j.req == i]
             loads = sum(1 for j in mine if j.kind == LOAD)
             if loads > 1 or (loads and len(mine) > loads):
@@ -1651,7 +1763,16 @@ class Model:
     # ------------------------------------------------------------------ symmetry
 
     def canonical(self, s: State) -> State:
-        return self.canonical_with_maps(s).state
+        # Memoized on the state without its counters, which the representative keeps as they are (see
+        # _memo): states that differ only in them are renumbered once.
+        key = s[:8] + s[11:14] + s[15:]
+        c = self._memo_canonical.get(key)
+        if c is None:
+            c = self._memo_canonical[key] = self.canonical_with_maps(s).state
+            return c
+        if c[8] == s[8] and c[9] == s[9] and c[10] == s[10] and c[14] == s[14]:
+            return c
+        return _new(State, (*c[:8], s[8], s[9], s[10], *c[11:14], s[14], *c[15:]))
 
     def canonical_with_maps(self, s: State) -> Canonical:
         """The representative of ``s``, and how its indices map back to those of ``s``.
@@ -1662,7 +1783,10 @@ class Model:
         """
         reqs = s.reqs
         nr = len(reqs)
-        rorder = sorted(range(nr), key=lambda i: _req_sort_key(reqs[i])) if nr > 1 else list(range(nr))
+        if nr == 2:  # the common case, without sorting
+            rorder = [1, 0] if _req_sort_key(reqs[1]) < _req_sort_key(reqs[0]) else [0, 1]
+        else:
+            rorder = sorted(range(nr), key=lambda i: _req_sort_key(reqs[i])) if nr > 1 else list(range(nr))
         rmap = {old: new for new, old in enumerate(rorder)}
         rmap[-1] = -1
         gmap: dict[int, int] = {}
@@ -1705,6 +1829,17 @@ class Model:
             g = jobs[k[-1]].group
             if g not in gmap:
                 gmap[g] = len(gmap)
+        tier = s.tier
+        torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
+        # (gmap numbers the groups in the order it met them: it is the identity iff its keys are 0, 1, ...)
+        if (
+            not swap
+            and rorder == list(range(nr))
+            and jorder == list(range(len(jobs)))
+            and torder == list(range(len(tier)))
+            and list(gmap) == list(range(len(gmap)))
+        ):
+            return Canonical(s, rorder, jorder, gmap, torder, wperm)  # s is its own representative
         new_reqs = []
         for i in rorder:
             r = reqs[i]
@@ -1718,8 +1853,6 @@ class Model:
                 new_jobs.append(job)
             else:
                 new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
-        tier = s.tier
-        torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         state = _new(
             State,
             (s.engine, tuple(new_reqs), tuple(new_jobs), s.slots, s.lru, tuple(tier[c] for c in torder), *s[6:]),
@@ -1740,6 +1873,21 @@ class Canonical(NamedTuple):
 
 _FREE_GROUP = 1 << 20
 _new = tuple.__new__
+_MISSING: Any = object()
+
+
+def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
+    """``r``, the result of an event on ``was``, moved onto ``s`` (``was`` but for its counters): the
+    counters arrivals, resets, preemptions (fields 8 to 10) and expiries (14) shifted by as much."""
+    if type(r) is not State or was is s:
+        return r
+    a = s[8] - was[8]
+    b = s[9] - was[9]
+    c = s[10] - was[10]
+    d = s[14] - was[14]
+    if not (a or b or c or d):
+        return r
+    return _new(State, (*r[:8], r[8] + a, r[9] + b, r[10] + c, *r[11:14], r[14] + d, *r[15:]))
 
 
 _TERMINAL_SKIP = (
@@ -1755,21 +1903,41 @@ def _req_sort_key(r: Req) -> tuple[Any, ...]:
     return (r.phase, r.eng, r.prompt, r.computed, r.next_chunk, r.group >= 0, r.pos, r.fin_pos, r.alloc)
 
 
+def _awaits(jobs: Sequence[Sequence[Any]], i: int) -> bool:
+    """Whether the scheduler awaits a job of request ``i`` (a loop: this is asked on every hot path)."""
+    for j in jobs:
+        if j[_J_REQ] == i and (j[_J_STATE] is JobState.SUBMITTED or j[_J_STATE] is JobState.IN_FLIGHT):
+            return True
+    return False
+
+
 def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
     return (*shards[:rank], value, *shards[rank + 1 :])
 
 
-def _renumber(reqs: list[list[Any]], field: int, klass: Callable[[list[Any]], int]) -> None:
-    """Compact a position field to 0..n-1 per class, keeping the order."""
+def _renumber(reqs: list[list[Any]], field: int, klass: int) -> None:
+    """Compact a position field to 0..n-1 per class (the value of field ``klass``; -1: one class), keeping
+    the order."""
     if len(reqs) < 2:
         for r in reqs:
             if r[field] > 0:
                 r[field] = 0
         return
+    if len(reqs) == 2:  # the common case, without the general one's grouping and sorting
+        a, b = reqs
+        fa, fb = a[field], b[field]
+        if fa >= 0 and fb >= 0 and (klass < 0 or a[klass] == b[klass]):
+            a[field], b[field] = (0, 1) if fa <= fb else (1, 0)
+        else:
+            if fa > 0:
+                a[field] = 0
+            if fb > 0:
+                b[field] = 0
+        return
     groups: dict[int, list[list[Any]]] = {}
     for r in reqs:
         if r[field] >= 0:
-            groups.setdefault(klass(r), []).append(r)
+            groups.setdefault(r[klass] if klass >= 0 else 0, []).append(r)
     for members in groups.values():
         members.sort(key=lambda r: r[field])
         for n, r in enumerate(members):
