@@ -352,14 +352,7 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
-    if args.replay and bounds.shutdown:
-        from kvfsm.check.replay import LoopShutdownModel
-
-        # The replay follows the engine loop's shutdown, which the model's give_up / stop leave parts of
-        # out (LoopShutdownModel's docs): the graph replayed is the model with them put back.
-        model: Model = LoopShutdownModel(bounds, drain)
-    else:
-        model = Model(bounds, drain)
+    model = Model(bounds, drain)
     if show:
         print(f"kvfsm check: {_bounds_text(bounds)}, drain={drain.value}", file=sys.stderr)
     with progress_display(show) as progress:

@@ -952,6 +952,7 @@ class Model:
             else:
                 self._time_out(w, j)
         w.abandoned = True
+        self._finish_loads(w)  # EngineLoop._flush_all: the loads given up hand their requests back
         return self._compact(w)
 
     def _stop(self, s: State, _: int) -> State:
@@ -968,15 +969,24 @@ class Model:
                 and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
                 self._release(w, job)
-                job[_J_SHARDS] = tuple(REPORTED if sh != UNLAUNCHED else sh for sh in job[_J_SHARDS])
+            # Every worker's shutdown finishes the copies it holds, and their reports are applied (a stale
+            # job's too, ignored by id).
+            job[_J_SHARDS] = tuple(REPORTED if sh != UNLAUNCHED else sh for sh in job[_J_SHARDS])
         for t in w.tier:
             for key in t[_T_KEYS]:
                 if t[_T_PROMOTE]:
                     if w.slots[key] == WRITING:
                         w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                    # TieringManager.shutdown's poll: a promotion that did not succeed (failed, or cancelled
+                    # by the tier's shutdown) is released with invalidate=True.
+                    if w.held and not t[_T_HARVESTED] and t[_T_STATUS] in (COPYING, DONE_FAIL):
+                        w.held[t[_T_TIER]] &= ~(1 << key)
                 elif not t[_T_HARVESTED]:
                     self._end_read(w, key)
         w.tier = []
+        if self.bounds.tiers:
+            w.polled = True  # TieringManager.shutdown polls the tiers
+        self._finish_loads(w)  # EngineLoop._stop_parts
         return self._compact(w)
 
     def _sync_done(self, s: State, c: int) -> State:

@@ -15,9 +15,6 @@ real engine machine as the reference engine does (:func:`~kvfsm.control.decision
 down as :meth:`EngineLoop.shutdown <kvfsm.engine.loop.EngineLoop.shutdown>` does (abort, ``shutdown`` /
 flush_all's empty steps, ``abandon_jobs`` at the deadline, ``stop`` and the parts' shutdown). No torch.
 
-With ``Bounds.shutdown``, replay against :class:`LoopShutdownModel`: where the model's shutdown leaves out
-what the loop does, it says what and puts it back.
-
 Every event label of :mod:`kvfsm.check.model` is an operation of the harness (:meth:`Harness.apply`), and
 :func:`abstract` reads the harness back into a model :class:`~kvfsm.check.model.State` (through public
 accessors and the scheduler's queries for verifiers). Then:
@@ -101,7 +98,6 @@ from kvfsm.tiers.memory import InMemoryTier
 __all__ = [
     "Harness",
     "HeldDeadlineQueue",
-    "LoopShutdownModel",
     "Mismatch",
     "ModelTier",
     "ReplayClock",
@@ -575,59 +571,6 @@ class Harness:
         self.sched.update_connector_output(self.poll())
         self.sched.shutdown(None)
         self._finish_loads()
-
-
-# --------------------------------------------------------------------------------------------- the model's shutdown
-
-
-class LoopShutdownModel(Model):
-    """The model with :meth:`EngineLoop.shutdown <kvfsm.engine.loop.EngineLoop.shutdown>`'s behaviour put back
-    where the model's ``give_up`` and ``stop`` leave it out (found by replaying them on the implementation):
-
-    1. After ``abandon_jobs``, flush_all runs the loop's ``_finish_loads`` (and ``_stop_parts`` runs it
-       again): a request aborted while loading, whose load was cancelled or timed out, leaves the engine's
-       loading map. The model keeps it loading through ``give_up`` and ``stop``.
-    2. At ``stop``, every worker's shutdown waits for the copies it still holds and their reports are
-       applied, so a copy of a job that ``reset_cache`` discarded (stale, ignored by id) has ended and been
-       reported. The model keeps that job's shards copying after ``stop``.
-    3. At ``stop``, ``TieringManager.shutdown`` shuts the tiers down and polls them: the poll gate is
-       closed, and a promotion that had not succeeded (failed, or cancelled by the tier's shutdown and
-       reported failed, as :meth:`FileSystemTier.shutdown <kvfsm.tiers.fs.FileSystemTier.shutdown>` does)
-       is released with ``invalidate=True``, so that tier forgets its copy. The model leaves the gate open
-       and the copy held.
-
-    The model-based replay uses it wherever ``Bounds.shutdown`` is in scope, until the model itself does
-    this (tests/test_model_based.py pins the difference).
-    """
-
-    @override
-    def _give_up(self, s: State, arg: int) -> State:
-        return self._loads_handed_back(super()._give_up(s, arg))
-
-    @override
-    def _stop(self, s: State, arg: int) -> State:
-        nxt = super()._stop(s, arg)
-        held = list(nxt.held)
-        for rec in s.tier:
-            if held and rec.promote and not rec.harvested and rec.status in (COPYING, DONE_FAIL):
-                for key in rec.keys:
-                    held[rec.tier] &= ~(1 << key)
-        # Every job is over and every copy has reported: no job record is left.
-        nxt = nxt._replace(jobs=(), held=tuple(held), polled=nxt.polled or bool(self.bounds.tiers))
-        return self._loads_handed_back(nxt)
-
-    def _loads_handed_back(self, s: State) -> State:
-        """The loop's _finish_loads once every job is over: loading requests are done (every request is
-        finished at shutdown), and done requests the scheduler deleted are forgotten."""
-        kept = self.last_kept
-        reqs = [r._replace(eng=E_DONE, pos=-1) if r.eng == E_LOAD else r for r in s.reqs]
-        keep = [i for i, r in enumerate(reqs) if not (r.phase is RequestState.DELETED and r.eng == E_DONE)]
-        if len(keep) != len(reqs):
-            remap = {old: new for new, old in enumerate(keep)}
-            s = s._replace(jobs=tuple(j._replace(req=remap[j.req]) if j.req >= 0 else j for j in s.jobs))
-            before = kept[0] if kept is not None else list(range(len(reqs)))
-            self.last_kept = ([before[i] for i in keep], kept[1] if kept is not None else list(range(len(s.jobs))))
-        return s._replace(reqs=tuple(reqs[i] for i in keep))
 
 
 # --------------------------------------------------------------------------------------------- abstraction

@@ -7,8 +7,7 @@ manager and :class:`~kvfsm.control.tiering.TieringManager`, ``W`` real
 whose cascades and promotions finish only when told, an injected clock and expiry queue), where a lookup,
 a step, one rank's copy and a finish are separate events. So the states the whole-system machines cannot
 stop in (a job planned and not launched, one rank of two reported, a request looked up and not yet
-stepped) are reached, and checked, here. With ``Bounds.shutdown`` the graph is
-:class:`~kvfsm.check.replay.LoopShutdownModel`'s (the engine loop's shutdown).
+stepped) are reached, and checked, here.
 
 Each example picks one abstract protocol state (:func:`kvfsm.testing.abstraction.project_model_state`) of
 the checker's reachable graph at :attr:`CheckerPathStateMachine.bounds`, follows the checker's shortest
@@ -37,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvfsm.check.bfs import describe_label, explore
 from kvfsm.check.invariants import SystemView, check_all
 from kvfsm.check.model import Bounds, Label, Model, State
-from kvfsm.check.replay import Harness, LoopShutdownModel, Refs, abstract
+from kvfsm.check.replay import Harness, Refs, abstract
 from kvfsm.machines.names import EngineState
 from kvfsm.testing.system import GROUND_TRUTH_CHECKS
 
@@ -77,8 +76,7 @@ def checker_graph(bounds: Bounds) -> CheckerGraph:
     # Imported here: kvfsm.testing.abstraction imports this module (to project its states).
     from kvfsm.testing.abstraction import project_model_state
 
-    # With shutdown in scope, the model's shutdown is the engine loop's (LoopShutdownModel's docs).
-    model = LoopShutdownModel(bounds) if bounds.shutdown else Model(bounds)
+    model = Model(bounds)
     result = explore(bounds, stop_at_first=False, keep_graph=True, check_liveness=False, model=model)
     g = result.graph
     assert g is not None
