@@ -8,6 +8,7 @@ every planted bug of tests/planted_bugs.py that the generated composition can ex
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from planted_bugs import PLANTED_BUGS
 from kvfsm.check import Bounds, Model, explore
 from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
 from kvfsm.check.properties import DrainMode, load_properties
-from kvfsm.check.spin import INSTALL_HINT, parse_pan, run_spin
+from kvfsm.check.spin import INSTALL_HINT, format_trace, parse_pan, parse_replay, run_spin
 from kvfsm.cli import main as cli_main
 from kvfsm.machines import engine_machine, job_machine
 from kvfsm.machines.compiled import CompiledEdge
@@ -68,10 +69,22 @@ def test_clean_model_verifies() -> None:
 
 
 @needs_spin
-def test_blocking_drain_is_unresponsive() -> None:
+def test_blocking_drain_is_unresponsive_with_a_readable_trace() -> None:
     r = run_spin(PromelaBounds(drain=DrainMode.BLOCKING), optimize=False)
     assert r.errors == 1
     assert r.violated == ("responsiveness",)
+    # The replayed (shortened) trail, in the spec's words: a request arrives while the engine is blocked in
+    # flush_all, and nothing can look it up.
+    events = [t.event for t in r.trace]
+    assert 0 < len(events) <= 12, format_trace(r)
+    assert events[-1] == "nothing else can move" and r.trace[-1].state is None
+    blocked = [n for n, t in enumerate(r.trace) if t.state is not None and "BLOCKED in flush_all" in t.state]
+    arrivals = [n for n, e in enumerate(events) if e.endswith("arrives")]
+    assert blocked and arrivals and arrivals[-1] > blocked[0], format_trace(r)
+    text = format_trace(r)
+    assert text.startswith("VIOLATION responsiveness (spin)")
+    assert "   0. initial: engine=idle" in text and "<-- responsiveness" in text
+    assert f"  {len(events):2}. nothing else can move" in text
 
 
 @needs_spin
@@ -84,6 +97,8 @@ def test_spin_and_native_checker_agree_on_planted_bug(name: str, monkeypatch: py
     assert native.violations, f"the native checker missed {name}"
     assert spin.violated == (AGREEMENT[name],)
     assert native.violations[0].invariant == AGREEMENT[name]
+    assert spin.trace and spin.initial is not None, "the counterexample was not replayed"
+    assert f"<-- {AGREEMENT[name]}" in format_trace(spin) or "this state breaks" in format_trace(spin)
 
 
 @needs_spin
@@ -98,10 +113,17 @@ def test_bitstate_run_reports_states_and_rate() -> None:
 def test_cli_check_engine_spin(capsys: pytest.CaptureFixture[str]) -> None:
     # One run (each compiles pan with -O2): the clean path of run_spin is covered by test_clean_model_verifies.
     small = ["--jobs", "1", "--requests", "2", "--slots", "1", "--resets", "0", "--preemptions", "0"]
+    assert cli_main(["check", "--engine", "spin", "--drain", "blocking", "--no-liveness", "--json", *small]) == 1
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert summary["errors"] == 1 and summary["violated"] == ["responsiveness"] and summary["states_per_second"] > 0
+    trace = summary["trace"]
+    assert trace[-1] == {"event": "nothing else can move", "state": None}
+    assert any("BLOCKED in flush_all" in (step["state"] or "") for step in trace)
+    # the same run as text (pan's verifier is compiled once per run: -O2, the command line's default)
     assert cli_main(["check", "--engine", "spin", "--drain", "blocking", "--no-liveness", *small]) == 1
     out = capsys.readouterr().out
-    assert "spin safety assertions" in out and "errors: 1" in out and "states/s" in out
-    assert "violated: responsiveness" in out
+    assert "spin safety assertions" in out and "errors: 1" in out and "violated: responsiveness" in out
+    assert "VIOLATION responsiveness (spin)" in out and "nothing else can move  <-- responsiveness" in out
 
 
 def test_cli_refuses_native_only_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,6 +187,7 @@ def test_spin_and_native_checker_agree_on_draining_forever() -> None:
         native = explore(tiny, model=Model(tiny), keep_graph=True, check_liveness=True)
     assert safety.ok, safety.report  # no invariant breaks: only the path property does
     assert live.violated == ("liveness",), live.report
+    assert any(t.cycle for t in live.trace), format_trace(live)  # the acceptance cycle, replayed
     assert [v.invariant for v in native.violations] == ["liveness"]
 
 
@@ -188,3 +211,20 @@ def test_parse_pan_reads_large_counts() -> None:
     r = parse_pan(report, PromelaBounds(), bitstate=True)
     assert (r.states, r.transitions, r.errors, r.depth) == (39_505_009, 215_820_000, 0, 1803)
     assert r.seconds == 316.0 and round(r.states_per_second) == 125_087 and r.complete
+
+
+def test_parse_replay_reads_events_and_states() -> None:
+    b = PromelaBounds(jobs=1, requests=1, slots=1, groups=1)
+    replay = (
+        "ST|E_idle,0,0|R_tracked,0,0,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0|0,0|0,0\n"
+        "EV|request R1 arrives\n"
+        "ST|E_idle,0,0|R_tracked,1,1,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0|0,0|0,0\n"
+        "  <<<<<START OF CYCLE>>>>>\n"
+        "EV|job J1 rank 0: ack\n"
+        "spin: trail ends after 9 steps\n"
+    )
+    initial, steps = parse_replay(replay, b)
+    assert initial == "engine=idle | requests: - | jobs: - | slots: s0=absent | gpu: g0=free"
+    assert [s.event for s in steps] == ["request R1 arrives", "job J1 rank 0: ack"]
+    assert steps[0].state is not None and "R1 queued" in steps[0].state and not steps[0].cycle
+    assert steps[1].state is None and steps[1].cycle

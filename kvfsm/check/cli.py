@@ -101,7 +101,6 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "keep_going",
     "max_states",
     "replay",
-    "brief",
     "diagram",
 )
 
@@ -239,7 +238,7 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
 
 def run_spin_check(args: argparse.Namespace) -> int:
     """``kvfsm check --engine spin``: the safety run, then (unless --no-liveness) the liveness run."""
-    from kvfsm.check.spin import run_spin
+    from kvfsm.check.spin import format_trace, run_spin
 
     refused = [
         "--" + name.replace("_", "-")
@@ -250,7 +249,7 @@ def run_spin_check(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
             "--slots, --groups, --resets, --preemptions, --jobs, --cascades, --drain, --no-failures, --no-liveness, "
-            "--bitstate with --engine spin"
+            "--bitstate, --brief with --engine spin"
         )
     runs = [False] if args.no_liveness else [False, True]
     results = []
@@ -270,6 +269,10 @@ def run_spin_check(args: argparse.Namespace) -> int:
                 + ("" if r.complete else ", search incomplete")
                 + (f"; violated: {', '.join(r.violated)}" if r.violated else "")
             )
+            if r.trace:
+                print()
+                print(format_trace(r, states=not args.brief))
+                print()
     return 0 if all(r.ok for r in results) else 1
 
 

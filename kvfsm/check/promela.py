@@ -282,7 +282,8 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("bit rflush;              /* a reset discarded jobs: the next step flushes their copies */")
     w("byte nresets;")
     w("byte npreempt;")
-    w("bit hold;                /* responsiveness: after such an arrival, no copy or cascade completes */")
+    w("bit hold;                /* responsiveness: after such an arrival, no worker launches, no copy or cascade")
+    w("                            completes (outside the engine's own step) until it is looked up */")
     w("bit blocked;             /* blocking drain: the step waits inside flush_all */")
     w("mtype est;               /* engine machine state */")
     w("hidden byte fired;")
@@ -534,7 +535,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("proctype worker(byte j; byte w; byte k) {")
     w("end_worker:")
     w("  do")
-    w("  :: atomic { AWAITED(j) && cp[j * W + w] == 0 -> " + _ev("job J%d rank %d: launch", "j + 1", "w"))
+    w("  :: atomic { !hold && AWAITED(j) && cp[j * W + w] == 0 -> " + _ev("job J%d rank %d: launch", "j + 1", "w"))
     w("       job_launch(j, w);")
     w("       if :: fired && eff == X_start_copy -> jl[j] = jl[j] | (1 << w); cp[j * W + w] = 1 :: else -> skip fi;")
     w("       show_state(); check_invariants() }")
@@ -729,6 +730,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w(f"    est = {st('engine', em.spec.initial)};")
     for stmt in init:
         w(f"    {stmt};")
+    w("    show_state();")
     for j in range(J):
         for r in range(W):
             w(f"    run worker({j}, {r}, {slot_of[j]});")

@@ -5,6 +5,11 @@ assertions; ``-DNFAIR`` and ``pan -a -f`` for the LTL liveness claim under weak 
 bitstate hashing, which reaches bounds that an exhaustive search cannot hold in memory, at the price of
 possibly missing states), and ``./pan`` searches. The result is parsed from pan's report: errors, states
 stored, transitions, elapsed time and rate, and which property an assertion named.
+
+A violation is turned into a trace people can read: pan's trail is shortened (``-DREACH``, ``pan -i``, for
+safety), ``spin -t`` replays it and prints what the generated model prints at every atomic step (the event,
+in the spec's words, and the abstract state after it; kvfsm.check.promela), and :func:`format_trace` numbers
+the events as the native checker's trace does.
 """
 
 from __future__ import annotations
@@ -13,19 +18,40 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
+from kvfsm.check.promela import PROPERTIES, TRACE_FIELDS, PromelaBounds, generate
 from kvfsm.errors import KvfsmError
 
-__all__ = ["INSTALL_HINT", "SpinMissing", "SpinResult", "find_tools", "parse_pan", "run_spin"]
+__all__ = [
+    "INSTALL_HINT",
+    "SpinMissing",
+    "SpinResult",
+    "TraceStep",
+    "describe_state",
+    "find_tools",
+    "format_trace",
+    "parse_pan",
+    "parse_replay",
+    "run_spin",
+]
 
 INSTALL_HINT = "install SPIN: apt-get install -y spin"
 
 
 class SpinMissing(KvfsmError):
     """spin or a C compiler is not on PATH."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceStep:
+    """One event of a replayed counterexample: what happened, and the abstract state after it (None when the
+    event itself broke a property, so that no state after it was printed)."""
+
+    event: str
+    state: str | None
+    cycle: bool = False  #: a liveness counterexample's cycle starts here
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +68,8 @@ class SpinResult:
     complete: bool  #: the search was not cut short (search depth, memory)
     violated: tuple[str, ...]  #: property names (spec/invariants.toml) pan reported violated
     report: str = field(repr=False)
+    initial: str | None = None  #: the counterexample's initial abstract state
+    trace: tuple[TraceStep, ...] = ()  #: the counterexample, replayed (empty when nothing was violated)
 
     @property
     def ok(self) -> bool:
@@ -61,6 +89,9 @@ class SpinResult:
             "depth": self.depth,
             "complete": self.complete,
             "violated": list(self.violated),
+            "trace": [
+                {"event": t.event, "state": t.state, **({"cycle_starts": True} if t.cycle else {})} for t in self.trace
+            ],
         }
 
 
@@ -122,12 +153,118 @@ def parse_pan(report: str, bounds: PromelaBounds, *, bitstate: bool = False, liv
     )
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float) -> str:
+_SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported")
+
+
+def _name(mtype: str) -> str:
+    """``R_finished_signalled`` -> ``finished_signalled``."""
+    return mtype.split("_", 1)[1] if "_" in mtype else mtype
+
+
+def describe_state(line: str, bounds: PromelaBounds) -> str:
+    """One ``ST|`` line of a replay as the abstract state, in the spec's vocabulary (the native trace's style)."""
+    parts = line.split("|")[1:]
+    b = bounds
+    expected = 1 + b.requests + b.jobs + b.slots + b.groups + 1
+    if len(parts) != expected:
+        return line
+    fields = [p.split(",") for p in parts]
+    engine, reqs = fields[0], fields[1 : 1 + b.requests]
+    jobs = fields[1 + b.requests : 1 + b.requests + b.jobs]
+    slots = fields[1 + b.requests + b.jobs : 1 + b.requests + b.jobs + b.slots]
+    groups = fields[-1 - b.groups : -1]
+    galloc, thr = (int(x) for x in fields[-1])
+    assert len(engine) == len(TRACE_FIELDS["engine"])
+    text = f"engine={_name(engine[0])}"
+    if engine[1] == "1":
+        text += " BLOCKED in flush_all"
+    if engine[2] == "1":
+        text += " (transfers held until the arrivals are looked up)"
+    out = []
+    for r, (state, arrived, queued, live, group) in enumerate(reqs):
+        if arrived == "0":
+            continue
+        if queued == "1":
+            out.append(f"R{r + 1} queued")
+            continue
+        g = int(group)
+        holds = g < len(groups) and groups[g][0] == "1" and groups[g][1] == str(r)
+        out.append(f"R{r + 1} {_name(state)}" + (f" g{g}" if holds and live == "1" else ""))
+    text += " | requests: " + (", ".join(out) or "-")
+    out = []
+    for j, (state, created, group, jid, *shards) in enumerate(jobs):
+        if created == "0":
+            continue
+        ranks = "/".join(_SHARD_NAMES[int(c)] if int(c) < len(_SHARD_NAMES) else c for c in shards)
+        out.append(f"J{j + 1} store of R{j % b.requests + 1} from g{group} id={jid} {_name(state)} {ranks}")
+    text += " | jobs: " + (", ".join(out) or "-")
+    out = []
+    for k, (state, readers, _written, cascade) in enumerate(slots):
+        extra = f"({readers})" if _name(state) == "reading" else ""
+        out.append(f"s{k}={_name(state)}{extra}" + (" cascading" if cascade == "1" else ""))
+    text += " | slots: " + " ".join(out)
+    text += " | gpu: " + " ".join(
+        f"g{g}={'R' + str(int(owner) + 1) if busy == '1' else 'free'}" for g, (busy, owner) in enumerate(groups)
+    )
+    if galloc:
+        text += " batch=" + ",".join(f"g{g}" for g in range(b.groups) if galloc >> g & 1)
+    if thr:
+        text += f" | stale threshold={thr}"
+    return text
+
+
+def parse_replay(text: str, bounds: PromelaBounds) -> tuple[str | None, tuple[TraceStep, ...]]:
+    """The initial state and the events of ``spin -t``'s replay of a trail (its ``EV|`` and ``ST|`` lines)."""
+    initial: str | None = None
+    events: list[str] = []
+    states: list[str | None] = []
+    cycles: set[int] = set()
+    for line in text.splitlines():
+        if line.startswith("EV|"):
+            events.append(line[3:].strip())
+            states.append(None)
+        elif line.startswith("ST|"):
+            state = describe_state(line.strip(), bounds)
+            if events:
+                states[-1] = state
+            else:
+                initial = state
+        elif "START OF CYCLE" in line:
+            cycles.add(len(events))
+    steps = tuple(TraceStep(e, st, n in cycles) for n, (e, st) in enumerate(zip(events, states, strict=True)))
+    return initial, steps
+
+
+def format_trace(result: SpinResult, *, states: bool = True) -> str:
+    """The counterexample as numbered events, each with the abstract state after it (as the native checker
+    prints its own: kvfsm.check.bfs.format_trace)."""
+    what = result.violated[0] if result.violated else "a property"
+    lines = [f"VIOLATION {what} (spin)", f"counterexample: {len(result.trace)} events (pan's trail, replayed)"]
+    if states and result.initial is not None:
+        lines.append(f"   0. initial: {result.initial}")
+    for n, step in enumerate(result.trace, 1):
+        last = n == len(result.trace)
+        mark = f"  <-- {what}" if last and step.state is None else ""
+        cycle = "  (the cycle starts here)" if step.cycle else ""
+        lines.append(f"  {n:2}. {step.event}{mark}{cycle}")
+        if states and step.state is not None:
+            lines.append(f"      -> {step.state}")
+    if result.trace and result.trace[-1].state is not None:
+        lines.append(
+            f"      this state breaks {what}"
+            if not result.liveness
+            else "      ... and the cycle repeats forever (an acceptance cycle of the LTL claim)"
+        )
+    return "\n".join(lines)
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float, *, check: bool = True) -> str:
+    """Run a tool; with ``check``, a non-zero exit is a KvfsmError (pan's exit status says nothing useful)."""
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as exc:
         raise KvfsmError(f"{cmd[0]} did not finish within {timeout:.0f} s") from exc
-    if out.returncode != 0 and Path(cmd[0]).name != "pan":
+    if check and out.returncode != 0 and not Path(cmd[0]).name.startswith("pan"):
         first = (out.stderr or out.stdout).strip().splitlines()
         raise KvfsmError(f"{' '.join(cmd)} failed: {first[0] if first else f'exit {out.returncode}'}")
     return out.stdout + out.stderr
@@ -142,10 +279,12 @@ def run_spin(
     timeout: float = 600.0,
     workdir: Path | None = None,
     optimize: bool = True,
+    trace: bool = True,
 ) -> SpinResult:
     """Generate the model for ``bounds``, compile SPIN's verifier and run it; ``bounds.liveness`` checks the
     LTL liveness claim under weak fairness instead of the safety assertions alone. ``optimize=False``
-    compiles the verifier with -O0 (about 5x faster to compile, about 3x slower to search: for small bounds)."""
+    compiles the verifier with -O0 (about 5x faster to compile, about 3x slower to search: for small bounds).
+    With ``trace`` a violation's counterexample is replayed into :attr:`SpinResult.trace`."""
     b = bounds or PromelaBounds()
     spin, cc = find_tools()
     with tempfile.TemporaryDirectory(prefix="kvfsm-spin-") as tmp:
@@ -162,4 +301,23 @@ def run_spin(
         if b.liveness:
             pan += ["-a", "-f"]
         report = _run(pan, where, timeout)
-    return parse_pan(report, b, bitstate=bitstate, liveness=b.liveness)
+        result = parse_pan(report, b, bitstate=bitstate, liveness=b.liveness)
+        if result.errors and trace and (where / "model.pml.trail").exists():
+            initial, steps = _counterexample(spin, cc, flags, pan, where, b, timeout)
+            result = replace(result, initial=initial, trace=steps)
+    return result
+
+
+def _counterexample(
+    spin: str, cc: str, flags: list[str], pan: list[str], where: Path, b: PromelaBounds, timeout: float
+) -> tuple[str | None, tuple[TraceStep, ...]]:
+    """Replay pan's trail with ``spin -t``; for safety, first search again for a short trail (-DREACH, -i:
+    pan keeps lowering its depth bound while it finds the error at a smaller depth)."""
+    if not b.liveness:
+        try:
+            _run([cc, "-O0", *flags[1:], "-DREACH", "-o", "pan_short", "pan.c"], where, timeout)
+            _run([str(where / "pan_short"), *pan[1:], "-i"], where, min(timeout, 120.0))
+        except KvfsmError:
+            pass  # the trail of the first search is still there (or the last shorter one): replay it
+    replay = _run([spin, "-t", "-T", "-B", "model.pml"], where, timeout, check=False)
+    return parse_replay(replay, b)
