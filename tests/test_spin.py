@@ -85,6 +85,13 @@ def test_blocking_drain_is_unresponsive_with_a_readable_trace() -> None:
     assert text.startswith("VIOLATION responsiveness (spin)")
     assert "   0. initial: engine=idle" in text and "<-- responsiveness" in text
     assert f"  {len(events):2}. nothing else can move" in text
+    # what --json prints for it
+    summary = json.loads(json.dumps(r.summary()))
+    assert summary["violated"] == ["responsiveness"] and summary["trace"][-1] == {
+        "event": "nothing else can move",
+        "state": None,
+    }
+    assert any("BLOCKED in flush_all" in (step["state"] or "") for step in summary["trace"])
 
 
 @needs_spin
@@ -102,6 +109,20 @@ def test_spin_and_native_checker_agree_on_planted_bug(name: str, monkeypatch: py
 
 
 @needs_spin
+def test_spin_and_native_checker_agree_with_deadlines_and_shutdown() -> None:
+    """Store deadlines (time_out, quarantine) and a bounded shutdown (flush_all, give up, stop) in scope: the
+    clean model verifies in both checkers, at bounds both reach quickly."""
+    b = PromelaBounds(slots=1, resets=0, preemptions=0, deadlines=1, shutdown=True)
+    text = generate(b)
+    assert "inline job_time_out(i, arg)" in text and "inline engine_stop(i, arg)" in text and "QUARANTINE" in text
+    spin = run_spin(b, optimize=False)
+    tiny = Bounds(requests=2, prompts=1, chunks=1, slots=1, resets=0, preemptions=0, deadlines=1, shutdown=True)
+    native = explore(tiny, model=Model(tiny), keep_graph=False, check_liveness=False)
+    assert spin.ok and spin.violated == (), spin.report
+    assert native.ok and not native.violations
+
+
+@needs_spin
 def test_bitstate_run_reports_states_and_rate() -> None:
     # About 0.4M states exhaustively; bitstate holds them in 32 MiB.
     r = run_spin(PromelaBounds(slots=1), bitstate=True, hash_bits=28, optimize=False)
@@ -113,13 +134,6 @@ def test_bitstate_run_reports_states_and_rate() -> None:
 def test_cli_check_engine_spin(capsys: pytest.CaptureFixture[str]) -> None:
     # One run (each compiles pan with -O2): the clean path of run_spin is covered by test_clean_model_verifies.
     small = ["--jobs", "1", "--requests", "2", "--slots", "1", "--resets", "0", "--preemptions", "0"]
-    assert cli_main(["check", "--engine", "spin", "--drain", "blocking", "--no-liveness", "--json", *small]) == 1
-    (summary,) = json.loads(capsys.readouterr().out)
-    assert summary["errors"] == 1 and summary["violated"] == ["responsiveness"] and summary["states_per_second"] > 0
-    trace = summary["trace"]
-    assert trace[-1] == {"event": "nothing else can move", "state": None}
-    assert any("BLOCKED in flush_all" in (step["state"] or "") for step in trace)
-    # the same run as text (pan's verifier is compiled once per run: -O2, the command line's default)
     assert cli_main(["check", "--engine", "spin", "--drain", "blocking", "--no-liveness", *small]) == 1
     out = capsys.readouterr().out
     assert "spin safety assertions" in out and "errors: 1" in out and "violated: responsiveness" in out

@@ -94,10 +94,8 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "chunks",
     "tiers",
     "max_jobs",
-    "deadlines",
     "durable",
     "promotions",
-    "shutdown",
     "keep_going",
     "max_states",
     "replay",
@@ -188,8 +186,8 @@ def add_spin_arguments(p: argparse.ArgumentParser) -> None:
         choices=["bfs", "spin"],
         default=None,
         help="bfs: kvfsm's own checker (the default); spin: generate Promela from spec/ and run SPIN on it "
-        "(uses --requests, --workers, --slots, --groups, --resets, --preemptions, --drain, --no-failures, "
-        "--no-liveness)",
+        "(uses --requests, --workers, --slots, --groups, --resets, --preemptions, --deadlines, --shutdown, "
+        "--drain, --no-failures, --no-liveness)",
     )
     s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
     for name, text in (("jobs", "store jobs in all"), ("cascades", "write-through cascades in all")):
@@ -230,6 +228,8 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
         groups=get("groups", "groups"),
         resets=get("resets", "resets"),
         preemptions=get("preemptions", "preemptions"),
+        deadlines=get("deadlines", "deadlines"),
+        shutdown=bool(getattr(args, "shutdown", False)),
         failures=not getattr(args, "no_failures", False),
         drain=DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING,
         liveness=liveness,
@@ -248,8 +248,8 @@ def run_spin_check(args: argparse.Namespace) -> int:
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
-            "--slots, --groups, --resets, --preemptions, --jobs, --cascades, --drain, --no-failures, --no-liveness, "
-            "--bitstate, --brief with --engine spin"
+            "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --jobs, --cascades, --drain, "
+            "--no-failures, --no-liveness, --bitstate, --brief with --engine spin"
         )
     runs = [False] if args.no_liveness else [False, True]
     results = []

@@ -51,13 +51,14 @@ MAX_PROMELA_BOUNDS: dict[str, int] = {
     "groups": 3,
     "resets": 3,
     "preemptions": 3,
+    "deadlines": 3,
 }
 #: Bounds that may be 0 (the others are at least 1).
-_MAY_BE_ZERO = frozenset({"cascades", "resets", "preemptions"})
+_MAY_BE_ZERO = frozenset({"cascades", "resets", "preemptions", "deadlines"})
 
 #: The properties the generated model asserts, each by the name of the spec entry it expresses
-#: (``spec/invariants.toml``). Every assertion names its property through a never-set hidden flag, so
-#: that pan's "assertion violated" line says which one failed.
+#: (``spec/invariants.toml``). Every assertion names its property through a never-set hidden flag, first in
+#: the assertion, so that pan's "assertion violated" line (which pan cuts short) says which one failed.
 PROPERTIES: tuple[str, ...] = (
     "pending_work_covers_jobs",
     "idle_only_when_nothing_pending",
@@ -74,7 +75,8 @@ PROPERTIES: tuple[str, ...] = (
 class PromelaBounds:
     """The generated composition's bounds: ``jobs`` store jobs x ``ranks`` workers, ``slots`` CPU slots,
     ``requests`` requests, at most ``cascades`` cascades in all, ``groups`` GPU block groups, at most
-    ``resets`` reset_cache calls and ``preemptions`` preemptions, and the engine's drain mode."""
+    ``resets`` reset_cache calls and ``preemptions`` preemptions, ``deadlines`` store deadlines that may pass,
+    a bounded ``shutdown``, and the engine's drain mode."""
 
     jobs: int = 2
     ranks: int = 2
@@ -84,6 +86,8 @@ class PromelaBounds:
     groups: int = 1
     resets: int = 1
     preemptions: int = 1
+    deadlines: int = 0  #: store deadlines that may pass, in all (time_out, quarantine)
+    shutdown: bool = False  #: the engine may be shut down (bounded): flush_all, give up, stop
     failures: bool = True
     drain: DrainMode = DrainMode.NON_BLOCKING
     liveness: bool = False  #: also emit the LTL liveness claim (run pan with -a -f, not -DSAFETY)
@@ -105,6 +109,8 @@ class PromelaBounds:
             "groups": self.groups,
             "resets": self.resets,
             "preemptions": self.preemptions,
+            "deadlines": self.deadlines,
+            "shutdown": self.shutdown,
             "failures": self.failures,
             "drain": self.drain.value,
         }
@@ -245,6 +251,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w(f"#define NCASC {b.cascades}")
     w(f"#define NRESETS {b.resets}")
     w(f"#define NPREEMPT {b.preemptions}")
+    w(f"#define NDEADLINES {b.deadlines}")
     # ---------------------------------------------------------------- mtypes: states and effects
     names: list[str] = []
     for m, mach in machines.items():
@@ -263,6 +270,10 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("byte jgroup[J];          /* the GPU group its copy reads (its owner's, when it was planned) */")
     w("byte jid[J];             /* its job id (the scheduler's counter when it was planned) */")
     w("byte cp[J * W];          /* rank w's shard of job j: 0 none, 1 copying, 2 done ok, 3 done failed, 4 reported */")
+    w("bit jexp[J];             /* its deadline has passed (the clock); the next step times it out */")
+    w("bit jquar[J];            /* timed out with a launched copy unreported: its slot stays held (quarantine) */")
+    w("byte nexp;               /* deadlines passed, in all */")
+    w("bit abandoned;           /* a bounded shutdown gave up: what is left is no longer pending work */")
     w("byte njobs;              /* the scheduler's job counter: ids issued so far */")
     w("byte thr;                /* the stale threshold: reports of ids below it are ignored */")
     w("mtype sst[K];            /* slot machine state */")
@@ -333,11 +344,22 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("#define AWAITED(j) (jcreated[j] && (jst[j] == J_submitted || jst[j] == J_in_flight))")
     w(f"#define JCODE(j) (AWAITED(j) -> (1 + W - ({popcount})) : 0)")
     w("#define MGR_PENDING (" + " || ".join(f"casc[{k}]" for k in range(K)) + ")")
+    unreported = {
+        j: " || ".join(f"(cp[{j} * W + {r}] >= 1 && cp[{j} * W + {r}] <= 3)" for r in range(W)) for j in range(J)
+    }
+    for j in range(J):
+        w(f"#define UNREPORTED_{j} ({unreported[j]})")
+    w("#define UNREPORTED(j) (" + " || ".join(f"(j == {j} && UNREPORTED_{j})" for j in range(J)) + ")")
+    w("/* the scheduler's quarantine term: a timed-out job whose launched copies have not all reported */")
+    w("#define QUARANTINE (" + " || ".join(f"(jquar[{j}] && UNREPORTED_{j})" for j in range(J)) + ")")
+    w("/* the other pending work pending_push_work is asked about: the quarantine and the manager's cascades,")
+    w("   both given up on once a bounded shutdown abandoned them */")
+    w("#define OTHER_PENDING (!abandoned && (QUARANTINE || MGR_PENDING))")
     # index: the job codes in mixed radix, job 0 most significant, then the manager bit
     idx = "0"
     for j in range(J):
         idx = f"({idx}) * {codes} + JCODE({j})"
-    w(f"#define PPW (PPWTAB[({idx}) * 2 + MGR_PENDING])")
+    w(f"#define PPW (PPWTAB[({idx}) * 2 + OTHER_PENDING])")
     evictable = [bool(cpu_mod.is_evictable(SlotState(s))) for s in sm.spec.states]
     w("/* is_evictable(slot state), by the order of the slot states */")
     for s, can_evict in zip(sm.spec.states, evictable, strict=True):
@@ -403,7 +425,9 @@ def generate(bounds: PromelaBounds | None = None) -> str:
 
     # ---------------------------------------------------------------- ground truth and properties
     def live_shard(j: int, r: int, codes_: str) -> str:
-        return f"(jst[{j}] != {st('job', 'stale')} && ({codes_.format(c=f'cp[{j} * W + {r}]')}))"
+        # a job reset_cache discarded (stale, or timed out and dropped from the quarantine) is not pending work
+        counts = f"jst[{j}] != {st('job', 'stale')} && (jst[{j}] != {st('job', 'timed_out')} || jquar[{j}])"
+        return f"({counts} && ({codes_.format(c=f'cp[{j} * W + {r}]')}))"
 
     # as the native checker's transfer_remains: an awaited job's shard not launched, copying or unreported; a
     # job that is over (and not discarded by reset_cache) only with a launched, unreported copy
@@ -433,9 +457,21 @@ def generate(bounds: PromelaBounds | None = None) -> str:
         )
     w("#define GPU_HAZARD (" + " || ".join(f"GPU_HAZARD_{j}" for j in range(J)) + ")")
     w("inline check_invariants() {")
-    w("  assert(!TRANSFER_REMAINS || PPW || violated_pending_work_covers_jobs);")
-    w(f"  assert(!(est == {st('engine', 'idle')}) || !TRANSFER_REMAINS || violated_idle_only_when_nothing_pending);")
-    w(f"  assert(({readable}) || violated_readable_only_after_commit)")
+    w("  assert(violated_pending_work_covers_jobs || abandoned || !TRANSFER_REMAINS || PPW);")
+    w(f"  assert(violated_idle_only_when_nothing_pending || est != {st('engine', 'idle')} || !TRANSFER_REMAINS);")
+    if b.shutdown:
+        # stopped: no awaited job, no store's slot still reserved, no cascade pinning a slot
+        stopped_clean = " && ".join(
+            [
+                *(f"!AWAITED({j})" for j in range(J)),
+                *(f"sst[{k}] != {st('slot', 'writing')} && !casc[{k}]" for k in range(K)),
+            ]
+        )
+        w(
+            f"  assert(violated_idle_only_when_nothing_pending || est != {st('engine', 'stopped')} ||"
+            f" ({stopped_clean}));"
+        )
+    w(f"  assert(violated_readable_only_after_commit || ({readable}))")
     w("}")
     w()
     # ---------------------------------------------------------------- the machines' rows, one inline per event
@@ -496,10 +532,26 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("}")
     w()
     slot_of = {j: (j % R) % K for j in range(J)}
+    w("/* the RELEASE effect's memory part for a store: its slot's write is rolled back */")
+    w(
+        f"inline release_store(k) {{ if :: sst[k] == {st('slot', 'writing')} -> slot_abort_write(k, 0)"
+        " :: else -> skip fi }"
+    )
+    w("/* time_out (expire_jobs, a bounded shutdown's give up): the job leaves the scheduler at once; its slot is")
+    w("   handed back only once every launched copy has reported (quarantine), at once if none is unreported */")
+    w("inline time_out_job(j, k) {")
+    w("  job_time_out(j, 0);")
+    w("  if :: fired && eff == X_release -> if :: UNREPORTED(j) -> jquar[j] = 1 :: else -> release_store(k) fi")
+    w("     :: else -> skip fi")
+    w("}")
+    w()
     # the engine step: flushes, then the forward writes the groups of running and loading requests, then settle
     w("/* a step: fenced_jobs' flush for the groups handed out since the last step, the reset's flush, then the")
     w("   forward writes every held group (gpu_source_not_overwritten), then settle_event's answer */")
     w("inline engine_step() {")
+    if b.deadlines:
+        for j in range(J):
+            w(f"  if :: jexp[{j}] && AWAITED({j}) -> time_out_job({j}, {slot_of[j]}) :: else -> skip fi;")
     w("  flushed = FENCED;")
     for j in range(J):
         w(f"  if :: (flushed >> {j}) & 1 -> flush_job({j}, {slot_of[j]}) :: else -> skip fi;")
@@ -512,7 +564,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
             )
     w("       rflush = 0")
     w("     :: else -> skip fi;")
-    w("  assert(!GPU_HAZARD || violated_gpu_source_not_overwritten);")
+    w("  assert(violated_gpu_source_not_overwritten || !GPU_HAZARD);")
     w("  galloc = 0;")
     w("  if")
     for state in EngineState:
@@ -535,7 +587,10 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("proctype worker(byte j; byte w; byte k) {")
     w("end_worker:")
     w("  do")
-    w("  :: atomic { !hold && AWAITED(j) && cp[j * W + w] == 0 -> " + _ev("job J%d rank %d: launch", "j + 1", "w"))
+    w(
+        f"  :: atomic {{ !hold && est != {st('engine', 'stopped')} && AWAITED(j) && cp[j * W + w] == 0 -> "
+        + _ev("job J%d rank %d: launch", "j + 1", "w")
+    )
     w("       job_launch(j, w);")
     w("       if :: fired && eff == X_start_copy -> jl[j] = jl[j] | (1 << w); cp[j * W + w] = 1 :: else -> skip fi;")
     w("       show_state(); check_invariants() }")
@@ -546,13 +601,19 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     if b.failures:
         w("  :: atomic { !hold && cp[j * W + w] == 1 -> " + _ev("job J%d rank %d: copy fails", "j + 1", "w"))
         w("       cp[j * W + w] = 3; show_state(); check_invariants() }")
-    w("  :: atomic { !hold && !blocked && (cp[j * W + w] == 2 || cp[j * W + w] == 3) ->")
+    w(
+        f"  :: atomic {{ !hold && !blocked && est != {st('engine', 'stopped')} &&"
+        " (cp[j * W + w] == 2 || cp[j * W + w] == 3) ->"
+    )
     w("       if :: cp[j * W + w] == 2 -> " + _ev("job J%d rank %d: ack", "j + 1", "w"))
     w("          :: else -> " + _ev("job J%d rank %d: fail", "j + 1", "w"))
     w("       fi;")
     # a late report of a job reset_cache discarded: ignored below the stale threshold, else the scheduler raises
-    w(f"       if :: jst[j] == {st('job', 'stale')} -> assert(jid[j] < thr || violated_stale_ids_ignored)")
-    w("          :: else ->")
+    w(f"       if :: jst[j] == {st('job', 'stale')} -> assert(violated_stale_ids_ignored || jid[j] < thr)")
+    # a late report of a timed-out job is absorbed by id; the last launched copy's report ends the quarantine
+    w(f"          :: jst[j] == {st('job', 'timed_out')} -> cp[j * W + w] = 4;")
+    w("               if :: jquar[j] && !UNREPORTED(j) -> jquar[j] = 0; release_store(k) :: else -> skip fi")
+    w(f"          :: jst[j] != {st('job', 'stale')} && jst[j] != {st('job', 'timed_out')} ->")
     w("       if :: cp[j * W + w] == 2 -> job_ack(j, w) :: else -> job_fail(j, w) fi;")
     w("       if :: cp[j * W + w] == 3 -> jf[j] = jf[j] + 1 :: else -> skip fi;")
     w("       jr[j] = jr[j] | (1 << w);")
@@ -634,6 +695,12 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("proctype manager() {")
     w("end_manager:")
     w("  do")
+    for j in range(J if b.deadlines else 0):
+        w(
+            f"  :: atomic {{ nexp < NDEADLINES && AWAITED({j}) && !jexp[{j}] -> "
+            + _ev(f"the deadline of job J{j + 1} passes")
+        )
+        w(f"       jexp[{j}] = 1; nexp = nexp + 1; show_state(); check_invariants() }}")
     for k in range(K):
         w(f"  :: atomic {{ casc[{k}] && !hold -> " + _ev(f"the tier's cascade of slot s{k} finishes"))
         w(f"       slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; casc[{k}] = 0; show_state(); check_invariants() }}")
@@ -642,7 +709,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
             + _ev(f"the manager evicts slot s{k}")
         )
         w(f"       slot_evict({k}, 0);")
-        w("       assert(fired || violated_evict_only_ready_unreferenced);")
+        w("       assert(violated_evict_only_ready_unreferenced || fired);")
         w(f"       srd[{k}] = 0; show_state(); check_invariants() }}")
     w("  od")
     w("}")
@@ -687,6 +754,8 @@ def generate(bounds: PromelaBounds | None = None) -> str:
         )
     w("       thr = STALE_THRESHOLD;")
     for j in range(J):
+        w(f"       if :: jid[{j}] < thr -> jquar[{j}] = 0 :: else -> skip fi;")
+    for j in range(J):
         w(f"       if :: AWAITED({j}) -> job_discard({j}, 0); rflush = 1 :: else -> skip fi;")
     reset_req = ("loading", "finished_unsignalled", "finished_signalled")
     for r in range(R):
@@ -698,6 +767,44 @@ def generate(bounds: PromelaBounds | None = None) -> str:
             " :: else -> skip fi;"
         )
     w("       show_state(); check_invariants() }")
+    if b.shutdown:
+        unfinished_r = ("tracked", "deferred", "loading", "running", "preempted")
+        w(f"  :: atomic {{ !blocked && {engine_up} && galloc == 0 -> " + _ev("shutdown: every live request is aborted"))
+        for r in range(R):
+            cond = " || ".join(f"rst[{r}] == {st('request', x)}" for x in unfinished_r)
+            w(f"       if :: live[{r}] && ({cond}) ->")
+            w(
+                f"             if :: rst[{r}] == {st('request', 'running')} -> gbusy[rgroup[{r}]] = 0"
+                " :: else -> skip fi;"
+            )
+            w(f"             request_finish({r}, 0)")
+            w("          :: else -> skip fi;")
+            w(f"       queued[{r}] = 0; awaiting[{r}] = 0;")
+        w("       hold = 0; engine_shutdown(0, 0); show_state(); check_invariants() }")
+        shutting = f"est == {st('engine', 'shutting_down')}"
+        # flush_all waits (the workers and the manager keep running) until nothing is pending: stop, or the
+        # deadline passes first: give up (abandon_jobs, abandon_transfers)
+        w(f"  :: atomic {{ {shutting} && PPW && !abandoned -> " + _ev("the shutdown deadline passes: give up"))
+        for j in range(J):
+            w(f"       if :: AWAITED({j}) && jl[{j}] == 0 -> job_cancel({j}, 0);")
+            w(f"             if :: fired && eff == X_release -> release_store({slot_of[j]}) :: else -> skip fi")
+            w(f"          :: AWAITED({j}) && jl[{j}] != 0 -> time_out_job({j}, {slot_of[j]})")
+            w("          :: else -> skip fi;")
+        w("       abandoned = 1; show_state(); check_invariants() }")
+        w(f"  :: atomic {{ {shutting} && !PPW -> " + _ev("stop: the quarantine and the tiers' pins are handed back"))
+        w("       engine_stop(0, 0);")
+        for j in range(J):
+            w(
+                f"       if :: jquar[{j}] -> jquar[{j}] = 0; release_store({slot_of[j]})"
+                + "".join(f"; if :: cp[{j * W + r}] >= 1 -> cp[{j * W + r}] = 4 :: else -> skip fi" for r in range(W))
+                + " :: else -> skip fi;"
+            )
+        for k in range(K):
+            w(
+                f"       if :: casc[{k}] -> slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; casc[{k}] = 0"
+                " :: else -> skip fi;"
+            )
+        w("       show_state(); check_invariants() }")
     w("  :: atomic { blocked && FLUSH_DONE -> " + _ev("flush_all's wait returns"))
     w("       blocked = 0; show_state(); check_invariants() }")
     w("  od")
@@ -711,7 +818,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     group_free = " || ".join(f"!gbusy[{g}]" for g in range(G))
     w("active proctype monitor() {")
     w("  timeout -> " + _ev("nothing else can move") + ";")
-    w(f"  assert(!(({any_awaiting}) && ({group_free})) || violated_responsiveness)")
+    w(f"  assert(violated_responsiveness || !(({any_awaiting}) && ({group_free})))")
     w("}")
     w()
     if b.liveness:

@@ -123,7 +123,7 @@ def parse_pan(report: str, bounds: PromelaBounds, *, bitstate: bool = False, liv
     for line in report.splitlines():
         if "assertion violated" not in line:
             continue
-        name = next(iter(re.findall(r"violated_(\w+)\)", line)), "")
+        name = next(iter(re.findall(r"violated_(\w+)", line)), "")
         if name in PROPERTIES and name not in violated:
             violated.append(name)
     if re.search(r"pan:\d+: acceptance cycle", report) and "liveness" not in violated:
