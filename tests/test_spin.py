@@ -131,6 +131,20 @@ def test_bitstate_run_reports_states_and_rate() -> None:
 
 
 @needs_spin
+def test_multi_core_search_agrees_with_one_core() -> None:
+    """pan -DNCORE=2 (the model without hidden variables) stores the same states and finds the same bug."""
+    b = PromelaBounds(slots=1, resets=0, preemptions=0)
+    one = run_spin(b, optimize=False)
+    two = run_spin(b, optimize=False, cores=2)
+    assert one.ok and two.ok, two.report
+    assert two.cores == 2 and two.states == one.states and two.states_per_second > 0
+    blocking = run_spin(
+        PromelaBounds(slots=1, resets=0, preemptions=0, drain=DrainMode.BLOCKING), cores=2, optimize=False
+    )
+    assert blocking.violated == ("responsiveness",) and blocking.trace, blocking.report
+
+
+@needs_spin
 def test_cli_check_engine_spin(capsys: pytest.CaptureFixture[str]) -> None:
     # One run (each compiles pan with -O2): the clean path of run_spin is covered by test_clean_model_verifies.
     small = ["--jobs", "1", "--requests", "2", "--slots", "1", "--resets", "0", "--preemptions", "0"]
@@ -146,6 +160,8 @@ def test_cli_refuses_native_only_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "--prompts" in err and len(err.strip().splitlines()) == 1
     assert cli_main(["check", "--bitstate"]) == 2
     assert "--engine spin" in capsys.readouterr().err
+    assert cli_main(["check", "--engine", "spin", "--cores", "2"]) == 2
+    assert "--no-liveness" in capsys.readouterr().err
 
 
 def test_cli_export_promela(tmp_path: Path) -> None:

@@ -86,6 +86,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "bitstate",
     "jobs",
     "cascades",
+    "cores",
 )
 #: The native checker's options that the generated Promela composition does not model (kvfsm check --engine
 #: spin refuses them; spec/README.md, "SPIN export").
@@ -190,6 +191,13 @@ def add_spin_arguments(p: argparse.ArgumentParser) -> None:
         "--drain, --no-failures, --no-liveness)",
     )
     s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
+    s.add_argument(
+        "--cores",
+        type=int_in(1, 64),
+        default=None,
+        metavar="N",
+        help="with --engine spin: pan's multi-core safety search on N cores (-DNCORE=N; 1, the default: one core)",
+    )
     for name, text in (("jobs", "store jobs in all"), ("cascades", "write-through cascades in all")):
         lo = 0 if name == "cascades" else 1
         hi = MAX_PROMELA_BOUNDS[name]
@@ -251,11 +259,14 @@ def run_spin_check(args: argparse.Namespace) -> int:
             "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --jobs, --cascades, --drain, "
             "--no-failures, --no-liveness, --bitstate, --brief with --engine spin"
         )
+    cores = getattr(args, "cores", None) or 1
+    if cores > 1 and not args.no_liveness:
+        raise ConfigError("--cores runs pan's multi-core safety search only; add --no-liveness")
     runs = [False] if args.no_liveness else [False, True]
     results = []
     for liveness in runs:
         bounds = promela_bounds_from(args, liveness=liveness)
-        results.append(run_spin(bounds, bitstate=bool(args.bitstate)))
+        results.append(run_spin(bounds, bitstate=bool(args.bitstate), cores=cores))
     if args.json:
         json.dump([r.summary() for r in results], sys.stdout, indent=2)
         print()
@@ -263,7 +274,8 @@ def run_spin_check(args: argparse.Namespace) -> int:
         for r in results:
             what = "liveness (LTL, weak fairness)" if r.liveness else "safety assertions"
             print(
-                f"spin {what}{', bitstate' if r.bitstate else ''}: {_promela_bounds_text(r.bounds.as_dict())}: "
+                f"spin {what}{', bitstate' if r.bitstate else ''}{f', {r.cores} cores' if r.cores > 1 else ''}: "
+                f"{_promela_bounds_text(r.bounds.as_dict())}: "
                 f"errors: {r.errors}, {r.states:,} states stored, {r.transitions:,} transitions in {r.seconds:.2f} s "
                 f"({r.states_per_second:,.0f} states/s), depth {r.depth:,}"
                 + ("" if r.complete else ", search incomplete")
@@ -347,8 +359,11 @@ def run(args: argparse.Namespace) -> int:
         getattr(args, "bitstate", False)
         or getattr(args, "jobs", None) is not None
         or getattr(args, "cascades", None) is not None
+        or getattr(args, "cores", None) is not None
     ):
-        raise ConfigError("--bitstate, --jobs and --cascades apply to the generated Promela model; add --engine spin")
+        raise ConfigError(
+            "--bitstate, --cores, --jobs and --cascades apply to the generated Promela model; add --engine spin"
+        )
     bounds = bounds_from(args)
     max_states = 0 if args.max_states is None else args.max_states
     if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:

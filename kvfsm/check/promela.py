@@ -190,10 +190,31 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def _table_array(w: _Writer, name: str, values: list[bool]) -> list[str]:
-    """Declare a hidden bit array; return the init statements that set its true entries."""
-    w(f"hidden byte {name}[{len(values)}];")
-    return [f"{name}[{i}] = 1" for i in _bits(values)]
+#: Table bits per ``int`` word (31: no sign bit).
+_WORD = 31
+
+
+def _table_array(w: _Writer, name: str, values: list[bool], hidden: str) -> list[str]:
+    """Declare a bit table packed into ``int`` words (read it with ``TBIT(name, i)``); return the init
+    statements that set its non-zero words. ``hidden`` is ``"hidden "`` or ``""`` (multi-core pan refuses
+    hidden variables: the table is then part of every state, constant)."""
+    words = [0] * max(1, (len(values) + _WORD - 1) // _WORD)
+    for i in _bits(values):
+        words[i // _WORD] |= 1 << (i % _WORD)
+    w(f"{hidden}int {name}[{len(words)}];")
+    return [f"{name}[{i}] = {v}" for i, v in enumerate(words) if v]
+
+
+def _value_table(w: _Writer, name: str, values: list[int], hidden: str) -> tuple[list[str], str]:
+    """A table of small non-negative integers as bit planes; return the init statements and a macro body
+    that reads entry ``IDX`` (substitute the index expression for IDX)."""
+    planes = max(1, max(values, default=0).bit_length())
+    init: list[str] = []
+    terms = []
+    for p in range(planes):
+        init += _table_array(w, f"{name}_{p}", [bool(v >> p & 1) for v in values], hidden)
+        terms.append(f"(TBIT({name}_{p}, IDX) << {p})")
+    return init, "(" + " + ".join(terms) + ")"
 
 
 # ------------------------------------------------------------------------------------------- trace printing
@@ -220,10 +241,12 @@ def _ev(text: str, *args: str) -> str:
 # ------------------------------------------------------------------------------------------- generator
 
 
-def generate(bounds: PromelaBounds | None = None) -> str:
+def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str:
     """The Promela model for ``bounds``, from the spec tables and the shared decisions as they are now
-    (planted bugs included)."""
+    (planted bugs included). ``hidden=False`` declares no hidden variable (for multi-core pan, -DNCORE:
+    the tables and scratch variables are then stored in every state, constant)."""
     b = bounds or PromelaBounds()
+    hid = "hidden " if hidden else ""
     jm, sm, rm, em = job_machine(), slot_machine(), request_machine(), engine_machine()
     machines: dict[str, SpecMachine[Any, Any, Any]] = {
         "job": jm,
@@ -297,37 +320,38 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     w("                            completes (outside the engine's own step) until it is looked up */")
     w("bit blocked;             /* blocking drain: the step waits inside flush_all */")
     w("mtype est;               /* engine machine state */")
-    w("hidden byte fired;")
-    w("hidden mtype eff;")
-    w("hidden byte hu;")
-    w("hidden byte flushed;")
+    w("/* scratch, reset at the end of every atomic step (check_invariants) */")
+    w(f"{hid}byte fired;")
+    w(f"{hid}mtype eff;")
+    w(f"{hid}byte flushed;")
     for p in PROPERTIES:
-        w(f"hidden byte violated_{p};  /* never set: names the property in pan's assertion message */")
+        w(f"{hid}byte violated_{p};  /* never set: names the property in pan's assertion message */")
     w()
     # ---------------------------------------------------------------- guards as truth tables
+    w(f"#define TBIT(t, i) ((t[(i) / {_WORD}] >> ((i) % {_WORD})) & 1)")
     w("/* guards: truth tables of the bound guard functions over their model's variables */")
     guard_macro: dict[tuple[str, str], str] = {}
     for gname, fn in jm.guards.items():
         values = []
         for lm, rmask, nf, rank in itertools.product(range(M), range(M), range(W + 1), range(W)):
             values.append(bool(fn(_JobProbe(None, W, lm, rmask, nf), rank)))
-        init += _table_array(w, f"G_job_{gname}", values)
-        w(f"#define g_job_{gname}(j, r) (G_job_{gname}[((jl[j] * {M} + jr[j]) * {W + 1} + jf[j]) * {W} + (r)])")
+        init += _table_array(w, f"G_job_{gname}", values, hid)
+        w(f"#define g_job_{gname}(j, r) TBIT(G_job_{gname}, ((jl[j] * {M} + jr[j]) * {W + 1} + jf[j]) * {W} + (r))")
         guard_macro["job", gname] = f"g_job_{gname}"
     for gname, fn in sm.guards.items():
         values = [bool(fn(_SlotProbe(None, n), 0)) for n in range(max_readers + 1)]
-        init += _table_array(w, f"G_slot_{gname}", values)
-        w(f"#define g_slot_{gname}(k, r) (G_slot_{gname}[srd[k]])")
+        init += _table_array(w, f"G_slot_{gname}", values, hid)
+        w(f"#define g_slot_{gname}(k, r) TBIT(G_slot_{gname}, srd[k])")
         guard_macro["slot", gname] = f"g_slot_{gname}"
     for gname, fn in rm.guards.items():
         values = [bool(fn(_RequestProbe(None, hj), 0)) for hj in (False, True)]
-        init += _table_array(w, f"G_request_{gname}", values)
-        w(f"#define g_request_{gname}(i, r) (G_request_{gname}[HAS_JOBS(i)])")
+        init += _table_array(w, f"G_request_{gname}", values, hid)
+        w(f"#define g_request_{gname}(i, r) TBIT(G_request_{gname}, HAS_JOBS(i))")
         guard_macro["request", gname] = f"g_request_{gname}"
     for gname, fn in em.guards.items():
         values = [bool(fn(_EngineProbe(None, p), 0)) for p in (False, True)]
-        init += _table_array(w, f"G_engine_{gname}", values)
-        w(f"#define g_engine_{gname}(i, r) (G_engine_{gname}[PPW])")
+        init += _table_array(w, f"G_engine_{gname}", values, hid)
+        w(f"#define g_engine_{gname}(i, r) TBIT(G_engine_{gname}, PPW)")
         guard_macro["engine", gname] = f"g_engine_{gname}"
     w()
     # ---------------------------------------------------------------- shared decisions, tabulated
@@ -339,7 +363,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
         for mgr in (False, True):
             awaited = [_Awaited(c - 1, W) for c in combo if c > 0]
             ppw_values.append(bool(scheduler_mod.pending_push_work(awaited, _constant(mgr))))
-    init += _table_array(w, "PPWTAB", ppw_values)
+    init += _table_array(w, "PPWTAB", ppw_values, hid)
     popcount = " + ".join(f"((jr[j] >> {i}) & 1)" for i in range(W))
     w("#define AWAITED(j) (jcreated[j] && (jst[j] == J_submitted || jst[j] == J_in_flight))")
     w(f"#define JCODE(j) (AWAITED(j) -> (1 + W - ({popcount})) : 0)")
@@ -359,7 +383,7 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     idx = "0"
     for j in range(J):
         idx = f"({idx}) * {codes} + JCODE({j})"
-    w(f"#define PPW (PPWTAB[({idx}) * 2 + OTHER_PENDING])")
+    w(f"#define PPW TBIT(PPWTAB, ({idx}) * 2 + OTHER_PENDING)")
     evictable = [bool(cpu_mod.is_evictable(SlotState(s))) for s in sm.spec.states]
     w("/* is_evictable(slot state), by the order of the slot states */")
     for s, can_evict in zip(sm.spec.states, evictable, strict=True):
@@ -401,8 +425,8 @@ def generate(bounds: PromelaBounds | None = None) -> str:
                     fences.setdefault(c - 1, set()).add(j)
             flush = scheduler_mod.fenced_jobs(allocated, fences)
             fence_values.append(sum(1 << j for j in flush if 0 <= j < J))
-    w(f"hidden byte FENCETAB[{len(fence_values)}];")
-    init += [f"FENCETAB[{i}] = {v}" for i, v in enumerate(fence_values) if v]
+    fence_init, fence_read = _value_table(w, "FENCETAB", fence_values, hid)
+    init += fence_init
     for j in range(J):
         owner = j % R
         done = " || ".join(f"rst[{owner}] == {st('request', s)}" for s in finished_states)
@@ -410,7 +434,8 @@ def generate(bounds: PromelaBounds | None = None) -> str:
     fidx = "galloc"
     for j in range(J):
         fidx = f"({fidx}) * {G + 1} + FENCE_{j}"
-    w(f"#define FENCED (FENCETAB[{fidx}])")
+    w(f"#define FENCE_INDEX ({fidx})")
+    w(f"#define FENCED {fence_read.replace('IDX', 'FENCE_INDEX')}")
     # stale_threshold_after_reset(job_counter, threshold): tabulated over every counter and threshold value
     w("/* stale_threshold_after_reset(job counter, threshold), tabulated over 0..J x 0..J */")
     sth = [
@@ -418,9 +443,9 @@ def generate(bounds: PromelaBounds | None = None) -> str:
         for n in range(J + 1)
         for t in range(J + 1)
     ]
-    w(f"hidden byte STHTAB[{len(sth)}];")
-    init += [f"STHTAB[{i}] = {v}" for i, v in enumerate(sth) if v]
-    w(f"#define STALE_THRESHOLD (STHTAB[njobs * {J + 1} + thr])")
+    sth_init, sth_read = _value_table(w, "STHTAB", sth, hid)
+    init += sth_init
+    w(f"#define STALE_THRESHOLD {sth_read.replace('IDX', f'(njobs * {J + 1} + thr)')}")
     w()
 
     # ---------------------------------------------------------------- ground truth and properties
@@ -471,7 +496,8 @@ def generate(bounds: PromelaBounds | None = None) -> str:
             f"  assert(violated_idle_only_when_nothing_pending || est != {st('engine', 'stopped')} ||"
             f" ({stopped_clean}));"
         )
-    w(f"  assert(violated_readable_only_after_commit || ({readable}))")
+    w(f"  assert(violated_readable_only_after_commit || ({readable}));")
+    w("  fired = 0; eff = X_none; flushed = 0")
     w("}")
     w()
     # ---------------------------------------------------------------- the machines' rows, one inline per event

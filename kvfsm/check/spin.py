@@ -68,6 +68,7 @@ class SpinResult:
     complete: bool  #: the search was not cut short (search depth, memory)
     violated: tuple[str, ...]  #: property names (spec/invariants.toml) pan reported violated
     report: str = field(repr=False)
+    cores: int = 1  #: pan's multi-core search (-DNCORE) when > 1
     initial: str | None = None  #: the counterexample's initial abstract state
     trace: tuple[TraceStep, ...] = ()  #: the counterexample, replayed (empty when nothing was violated)
 
@@ -80,6 +81,7 @@ class SpinResult:
             "engine": "spin",
             "bounds": self.bounds.as_dict(),
             "bitstate": self.bitstate,
+            "cores": self.cores,
             "liveness": self.liveness,
             "errors": self.errors,
             "states": self.states,
@@ -130,10 +132,17 @@ def parse_pan(report: str, bounds: PromelaBounds, *, bitstate: bool = False, liv
         violated.append("liveness")
     if re.search(r"pan:\d+: invalid end state", report) and "deadlock" not in violated:
         violated.append("deadlock")
-    errors = _int(r"errors:\s*(\d+)", report)
-    seconds = _float(r"pan: elapsed time ([0-9.e+]+) seconds", report)
-    states = _int(r"([0-9.e+]+) states, stored", report)
-    rate = _float(r"pan: rate\s+([0-9.e+]+) states/second", report)
+    # a multi-core run whose other core found the error prints no summary: count the violations it reported
+    errors = max(
+        _int(r"errors:\s*(\d+)", report),
+        len(re.findall(r"pan:\d+: (?:assertion violated|acceptance cycle|invalid end state)", report)) and 1,
+    )
+    # multi-core pan (-DNCORE) prints the totals on cpu0's lines
+    seconds = _float(r"(?:pan|cpu0): elapsed time ([0-9.e+]+) seconds", report)
+    states = _int(r"([0-9.e+]+) states, stored", report) or _int(
+        r"cpu0: elapsed time .* \((\d+) states visited\)", report
+    )
+    rate = _float(r"(?:pan|cpu0): rate\s+([0-9.e+]+) states/second", report)
     if rate == 0.0 and seconds > 0:
         rate = states / seconds
     truncated = "max search depth too small" in report or "out of memory" in report.lower()
@@ -280,29 +289,37 @@ def run_spin(
     workdir: Path | None = None,
     optimize: bool = True,
     trace: bool = True,
+    cores: int = 1,
 ) -> SpinResult:
     """Generate the model for ``bounds``, compile SPIN's verifier and run it; ``bounds.liveness`` checks the
     LTL liveness claim under weak fairness instead of the safety assertions alone. ``optimize=False``
     compiles the verifier with -O0 (about 5x faster to compile, about 3x slower to search: for small bounds).
-    With ``trace`` a violation's counterexample is replayed into :attr:`SpinResult.trace`."""
+    With ``trace`` a violation's counterexample is replayed into :attr:`SpinResult.trace`. ``cores`` > 1 runs
+    pan's multi-core search (-DNCORE, safety only), on a model without hidden variables."""
+    if isinstance(cores, bool) or not 1 <= cores <= 64:
+        raise KvfsmError(f"cores = {cores!r}; expected an integer from 1 to 64")
     b = bounds or PromelaBounds()
     spin, cc = find_tools()
     with tempfile.TemporaryDirectory(prefix="kvfsm-spin-") as tmp:
         where = workdir or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        (where / "model.pml").write_text(generate(b), encoding="utf-8")
+        (where / "model.pml").write_text(generate(b, hidden=cores == 1), encoding="utf-8")
         _run([spin, "-a", "-o3", "model.pml"], where, timeout)  # -o3: no statement merging (large atomics)
         nprocs = b.jobs * b.ranks + b.requests + 4  # workers, requests, manager, engine, monitor, init
         flags = ["-O2" if optimize else "-O0", "-w", f"-DNFAIR={nprocs // 4 + 2}" if b.liveness else "-DSAFETY"]
         if bitstate:
             flags.append("-DBITSTATE")
+        if cores > 1:
+            if b.liveness:
+                raise KvfsmError("multi-core pan (cores > 1) checks safety only; expected liveness=False")
+            flags.append(f"-DNCORE={cores}")
         _run([cc, *flags, "-o", "pan", "pan.c"], where, timeout)
         pan = [str(where / "pan"), "-n", f"-m{max_depth}", f"-w{hash_bits}" if bitstate else "-w24"]
         if b.liveness:
             pan += ["-a", "-f"]
         report = _run(pan, where, timeout)
-        result = parse_pan(report, b, bitstate=bitstate, liveness=b.liveness)
-        if result.errors and trace and (where / "model.pml.trail").exists():
+        result = replace(parse_pan(report, b, bitstate=bitstate, liveness=b.liveness), cores=cores)
+        if result.errors and trace and (not b.liveness or (where / "model.pml.trail").exists()):
             initial, steps = _counterexample(spin, cc, flags, pan, where, b, timeout)
             result = replace(result, initial=initial, trace=steps)
     return result
@@ -315,7 +332,8 @@ def _counterexample(
     pan keeps lowering its depth bound while it finds the error at a smaller depth)."""
     if not b.liveness:
         try:
-            _run([cc, "-O0", *flags[1:], "-DREACH", "-o", "pan_short", "pan.c"], where, timeout)
+            single = [f for f in flags[1:] if not f.startswith("-DNCORE")]  # the shortening search is sequential
+            _run([cc, "-O0", *single, "-DREACH", "-o", "pan_short", "pan.c"], where, timeout)
             _run([str(where / "pan_short"), *pan[1:], "-i"], where, min(timeout, 120.0))
         except KvfsmError:
             pass  # the trail of the first search is still there (or the last shorter one): replay it
