@@ -109,14 +109,26 @@ def test_spin_and_native_checker_agree_on_planted_bug(name: str, monkeypatch: py
 
 
 @needs_spin
-def test_spin_and_native_checker_agree_with_deadlines_and_shutdown() -> None:
-    """Store deadlines (time_out, quarantine) and a bounded shutdown (flush_all, give up, stop) in scope: the
-    clean model verifies in both checkers, at bounds both reach quickly."""
-    b = PromelaBounds(slots=1, resets=0, preemptions=0, deadlines=1, shutdown=True)
+def test_spin_and_native_checker_agree_with_the_full_scope() -> None:
+    """Two tiers with promotions, store deadlines (time_out, quarantine) and a bounded shutdown (flush_all,
+    give up, stop) in scope: the clean model verifies in both checkers, at bounds both reach quickly."""
+    b = PromelaBounds(slots=1, resets=0, preemptions=0, deadlines=1, shutdown=True, tiers=2, promotions=True)
     text = generate(b)
     assert "inline job_time_out(i, arg)" in text and "inline engine_stop(i, arg)" in text and "QUARANTINE" in text
+    assert "the promotion into slot s0 finishes ok" in text and "tier 1's cascade of slot s0" in text
     spin = run_spin(b, optimize=False)
-    tiny = Bounds(requests=2, prompts=1, chunks=1, slots=1, resets=0, preemptions=0, deadlines=1, shutdown=True)
+    tiny = Bounds(
+        requests=2,
+        prompts=1,
+        chunks=1,
+        slots=1,
+        resets=0,
+        preemptions=0,
+        deadlines=1,
+        shutdown=True,
+        tiers=2,
+        promotions=True,
+    )
     native = explore(tiny, model=Model(tiny), keep_graph=False, check_liveness=False)
     assert spin.ok and spin.violated == (), spin.report
     assert native.ok and not native.violations
@@ -246,9 +258,9 @@ def test_parse_pan_reads_large_counts() -> None:
 def test_parse_replay_reads_events_and_states() -> None:
     b = PromelaBounds(jobs=1, requests=1, slots=1, groups=1)
     replay = (
-        "ST|E_idle,0,0|R_tracked,0,0,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0|0,0|0,0\n"
+        "ST|E_idle,0,0|R_tracked,0,0,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0,0|0,0|0,0\n"
         "EV|request R1 arrives\n"
-        "ST|E_idle,0,0|R_tracked,1,1,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0|0,0|0,0\n"
+        "ST|E_idle,0,0|R_tracked,1,1,0,0|J_submitted,0,0,0,0,0|S_absent,0,0,0,0|0,0|0,0\n"
         "  <<<<<START OF CYCLE>>>>>\n"
         "EV|job J1 rank 0: ack\n"
         "spin: trail ends after 9 steps\n"

@@ -93,10 +93,8 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
 NOT_FOR_SPIN: tuple[str, ...] = (
     "prompts",
     "chunks",
-    "tiers",
     "max_jobs",
     "durable",
-    "promotions",
     "keep_going",
     "max_states",
     "replay",
@@ -188,7 +186,7 @@ def add_spin_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bfs: kvfsm's own checker (the default); spin: generate Promela from spec/ and run SPIN on it "
         "(uses --requests, --workers, --slots, --groups, --resets, --preemptions, --deadlines, --shutdown, "
-        "--drain, --no-failures, --no-liveness)",
+        "--tiers, --promotions, --drain, --no-failures, --no-liveness)",
     )
     s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
     s.add_argument(
@@ -238,6 +236,8 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
         preemptions=get("preemptions", "preemptions"),
         deadlines=get("deadlines", "deadlines"),
         shutdown=bool(getattr(args, "shutdown", False)),
+        tiers=get("tiers", "tiers"),
+        promotions=bool(getattr(args, "promotions", False)),
         failures=not getattr(args, "no_failures", False),
         drain=DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING,
         liveness=liveness,
@@ -256,8 +256,8 @@ def run_spin_check(args: argparse.Namespace) -> int:
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
-            "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --jobs, --cascades, --drain, "
-            "--no-failures, --no-liveness, --bitstate, --brief with --engine spin"
+            "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --tiers, --promotions, --jobs, "
+            "--cascades, --drain, --no-failures, --no-liveness, --bitstate, --cores, --brief with --engine spin"
         )
     cores = getattr(args, "cores", None) or 1
     if cores > 1 and not args.no_liveness:

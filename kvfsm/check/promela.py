@@ -52,9 +52,10 @@ MAX_PROMELA_BOUNDS: dict[str, int] = {
     "resets": 3,
     "preemptions": 3,
     "deadlines": 3,
+    "tiers": 2,
 }
 #: Bounds that may be 0 (the others are at least 1).
-_MAY_BE_ZERO = frozenset({"cascades", "resets", "preemptions", "deadlines"})
+_MAY_BE_ZERO = frozenset({"cascades", "resets", "preemptions", "deadlines", "tiers"})
 
 #: The properties the generated model asserts, each by the name of the spec entry it expresses
 #: (``spec/invariants.toml``). Every assertion names its property through a never-set hidden flag, first in
@@ -88,6 +89,8 @@ class PromelaBounds:
     preemptions: int = 1
     deadlines: int = 0  #: store deadlines that may pass, in all (time_out, quarantine)
     shutdown: bool = False  #: the engine may be shut down (bounded): flush_all, give up, stop
+    tiers: int = 1  #: write-through secondary tiers (0 to 2): every commit cascades to each
+    promotions: bool = False  #: the tiers hit what they hold: a lookup promotes it into the primary
     failures: bool = True
     drain: DrainMode = DrainMode.NON_BLOCKING
     liveness: bool = False  #: also emit the LTL liveness claim (run pan with -a -f, not -DSAFETY)
@@ -98,6 +101,8 @@ class PromelaBounds:
             lo = 0 if name in _MAY_BE_ZERO else 1
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise ConfigError(f"promela bound {name} = {value!r}; expected an integer from {lo} to {hi}")
+        if self.promotions and not self.tiers:
+            raise ConfigError("promotions=True needs a secondary tier; expected tiers >= 1")
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -111,6 +116,8 @@ class PromelaBounds:
             "preemptions": self.preemptions,
             "deadlines": self.deadlines,
             "shutdown": self.shutdown,
+            "tiers": self.tiers,
+            "promotions": self.promotions,
             "failures": self.failures,
             "drain": self.drain.value,
         }
@@ -229,7 +236,7 @@ TRACE_FIELDS: dict[str, tuple[str, ...]] = {
     "engine": ("state", "blocked", "hold"),
     "request": ("state", "arrived", "queued", "live", "group"),
     "job": ("state", "created", "group", "id"),  # then one shard code per rank
-    "slot": ("state", "readers", "written_by", "cascade"),
+    "slot": ("state", "readers", "written_by", "cascades", "promotion"),
     "group": ("busy", "owner"),
 }
 
@@ -257,7 +264,8 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     J, W, K, R, G = b.jobs, b.ranks, b.slots, b.requests, b.groups
     M = 1 << W
     ALL = M - 1
-    max_readers = R + K  # every request loading one slot, every slot cascading once
+    T = max(1, b.tiers)  # cascade arrays are never empty; with tiers=0 no cascade starts
+    max_readers = R + K * T  # every request loading one slot, every slot cascading once to every tier
     drain_effect = load_drain_modes()[b.drain].settle_effect
     w = _Writer()
     init: list[str] = []
@@ -271,7 +279,8 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     w(f"#define R {R}")
     w(f"#define G {G}")
     w(f"#define ALLRANKS {ALL}")
-    w(f"#define NCASC {b.cascades}")
+    w(f"#define NCASC {b.cascades if b.tiers else 0}")
+    w(f"#define T {T}")
     w(f"#define NRESETS {b.resets}")
     w(f"#define NPREEMPT {b.preemptions}")
     w(f"#define NDEADLINES {b.deadlines}")
@@ -302,7 +311,10 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     w("mtype sst[K];            /* slot machine state */")
     w("byte srd[K];             /* slot readers */")
     w("byte wmask[K];           /* ground truth: ranks whose shard of the slot's current write finished ok */")
-    w("bit casc[K];             /* a cascade (manager transfer) reads the slot */")
+    w("bit casc[T * K];         /* tier t's cascade (a manager transfer) reads slot k: casc[t * K + k] */")
+    w("byte held[T];            /* ground truth: the slots whose data tier t holds (a cascade's I/O succeeded) */")
+    w("byte prom[K];            /* a promotion into slot k: 0 none, 1 queued for the step, 2 its tier's I/O runs */")
+    w("byte promt[K];           /* the tier it promotes from */")
     w("byte ncasc;              /* cascades started, in all */")
     w("mtype rst[R];            /* request machine state */")
     w("bit arrived[R];          /* arrived in the engine's input queue */")
@@ -367,7 +379,12 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     popcount = " + ".join(f"((jr[j] >> {i}) & 1)" for i in range(W))
     w("#define AWAITED(j) (jcreated[j] && (jst[j] == J_submitted || jst[j] == J_in_flight))")
     w(f"#define JCODE(j) (AWAITED(j) -> (1 + W - ({popcount})) : 0)")
-    w("#define MGR_PENDING (" + " || ".join(f"casc[{k}]" for k in range(K)) + ")")
+    # the manager's transfers: cascades and submitted promotions (a queued one is a reservation)
+    w(
+        "#define MGR_PENDING ("
+        + " || ".join([f"casc[{i}]" for i in range(T * K)] + [f"prom[{k}] == 2" for k in range(K)])
+        + ")"
+    )
     unreported = {
         j: " || ".join(f"(cp[{j} * W + {r}] >= 1 && cp[{j} * W + {r}] <= 3)" for r in range(W)) for j in range(J)
     }
@@ -489,7 +506,8 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
         stopped_clean = " && ".join(
             [
                 *(f"!AWAITED({j})" for j in range(J)),
-                *(f"sst[{k}] != {st('slot', 'writing')} && !casc[{k}]" for k in range(K)),
+                *(f"sst[{k}] != {st('slot', 'writing')} && prom[{k}] == 0" for k in range(K)),
+                *(f"!casc[{i}]" for i in range(T * K)),
             ]
         )
         w(
@@ -538,7 +556,8 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
         args = ", ".join(f"cp[{j * W + r}]" for r in range(W))
         w(f'  printf("|%e,%d,%d,%d,{cps}", jst[{j}], jcreated[{j}], jgroup[{j}], jid[{j}], {args});')
     for k in range(K):
-        w(f'  printf("|%e,%d,%d,%d", sst[{k}], srd[{k}], wmask[{k}], casc[{k}]);')
+        cascading = " + ".join(f"casc[{t * K + k}]" for t in range(T))
+        w(f'  printf("|%e,%d,%d,%d,%d", sst[{k}], srd[{k}], wmask[{k}], {cascading}, prom[{k}]);')
     for g in range(G):
         w(f'  printf("|%d,%d", gbusy[{g}], gowner[{g}]);')
     w('  printf("|%d,%d\\n", galloc, thr)')
@@ -591,6 +610,8 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     w("       rflush = 0")
     w("     :: else -> skip fi;")
     w("  assert(violated_gpu_source_not_overwritten || !GPU_HAZARD);")
+    for k in range(K if b.promotions else 0):  # manager.on_schedule_end: the queued promotions are submitted
+        w(f"  if :: prom[{k}] == 1 -> prom[{k}] = 2 :: else -> skip fi;")
     w("  galloc = 0;")
     w("  if")
     for state in EngineState:
@@ -645,11 +666,12 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     w("       jr[j] = jr[j] | (1 << w);")
     # write-through: a commit starts the slot's cascade (the tier's copy), while the cascade budget lasts
     w("       if :: fired && eff == X_commit -> slot_commit_write(k, 0);")
-    w(
-        "             if :: ncasc < NCASC && !casc[k] -> slot_begin_read(k, 0); srd[k] = srd[k] + 1;"
-        " casc[k] = 1; ncasc = ncasc + 1"
-    )
-    w("                :: else -> skip fi")
+    for t in range(T):
+        w(
+            f"             if :: ncasc < NCASC && !casc[{t} * K + k] -> slot_begin_read(k, 0); srd[k] = srd[k] + 1;"
+            f" casc[{t} * K + k] = 1; ncasc = ncasc + 1"
+        )
+        w("                :: else -> skip fi" + (";" if t < T - 1 else ""))
     w("          :: fired && eff == X_release -> slot_abort_write(k, 0)")
     w("          :: else -> skip fi")
     w("       fi;")
@@ -681,7 +703,19 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
         w("               request_start_load(r, 0);")
         w("               if :: fired -> slot_begin_read(k, 0); srd[k] = srd[k] + 1 :: else -> skip fi")
         w(f"          :: sst[k] == {st('slot', 'writing')} -> request_defer(r, 0)")
-        w(f"          :: sst[k] == {st('slot', 'absent')} -> request_schedule(r, 0)")
+        if b.promotions:
+            # TieringManager.lookup: the first tier that holds the key answers HIT; the primary reserves the
+            # slot (begin_write) for the promotion and the request defers until it commits
+            for t in range(b.tiers):
+                earlier = "".join(f" && !((held[{u}] >> k) & 1)" for u in range(t))
+                w(
+                    f"          :: sst[k] == {st('slot', 'absent')} && ((held[{t}] >> k) & 1){earlier} ->"
+                    f" slot_begin_write(k, 0); wmask[k] = 0; prom[k] = 1; promt[k] = {t}; request_defer(r, 0)"
+                )
+            misses = "".join(f" && !((held[{t}] >> k) & 1)" for t in range(b.tiers))
+            w(f"          :: sst[k] == {st('slot', 'absent')}{misses} -> request_schedule(r, 0)")
+        else:
+            w(f"          :: sst[k] == {st('slot', 'absent')} -> request_schedule(r, 0)")
         w("       fi;")
         w(
             f"       if :: fired && (rst[r] == {st('request', 'loading')} || rst[r] == {st('request', 'running')}) ->"
@@ -728,8 +762,29 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
         )
         w(f"       jexp[{j}] = 1; nexp = nexp + 1; show_state(); check_invariants() }}")
     for k in range(K):
-        w(f"  :: atomic {{ casc[{k}] && !hold -> " + _ev(f"the tier's cascade of slot s{k} finishes"))
-        w(f"       slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; casc[{k}] = 0; show_state(); check_invariants() }}")
+        for t in range(T):
+            cv = f"casc[{t * K + k}]"
+            outcomes = [("ok", True), ("fails", False)] if b.failures and b.promotions else [("ok", True)]
+            for word, ok in outcomes:
+                # the tier's I/O ends and the manager polls it: the primary copy is unpinned either way; the
+                # tier holds the data only when its write succeeded
+                keep = f" held[{t}] = held[{t}] | {1 << k};" if ok and b.promotions else ""
+                w(f"  :: atomic {{ {cv} && !hold -> " + _ev(f"tier {t}'s cascade of slot s{k} finishes {word}"))
+                w(
+                    f"       slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; {cv} = 0;{keep}"
+                    " show_state(); check_invariants() }"
+                )
+        if b.promotions:
+            # the promotion's I/O ends and the manager polls it: its job commits (the slot becomes readable, with
+            # the data the tier held) or releases it, and a failed promotion invalidates the tier's copy (#49176)
+            w(f"  :: atomic {{ prom[{k}] == 2 && !hold -> " + _ev(f"the promotion into slot s{k} finishes ok"))
+            w(f"       slot_commit_write({k}, 0);")
+            w(f"       if :: (held[promt[{k}]] >> {k}) & 1 -> wmask[{k}] = ALLRANKS :: else -> skip fi;")
+            w(f"       prom[{k}] = 0; show_state(); check_invariants() }}")
+            if b.failures:
+                w(f"  :: atomic {{ prom[{k}] == 2 && !hold -> " + _ev(f"the promotion into slot s{k} fails"))
+                w(f"       slot_abort_write({k}, 0); held[promt[{k}]] = held[promt[{k}]] & {255 ^ (1 << k)};")
+                w(f"       prom[{k}] = 0; show_state(); check_invariants() }}")
         w(
             f"  :: atomic {{ sst[{k}] != {st('slot', 'absent')} && EVICTABLE({k}) -> "
             + _ev(f"the manager evicts slot s{k}")
@@ -773,11 +828,16 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     # reset_cache: the tiers drain, every awaited job is discarded (stale), the threshold rises, slots reset
     w(f"  :: atomic {{ !blocked && {engine_up} && nresets < NRESETS && galloc == 0 -> " + _ev("reset_cache"))
     w("       nresets = nresets + 1;")
-    for k in range(K):
-        w(
-            f"       if :: casc[{k}] -> slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; casc[{k}] = 0"
-            " :: else -> skip fi;"
-        )
+    # TieringManager.reset_cache: every tier drains (its cascades finish ok), queued promotions are dropped
+    for t in range(T):
+        for k in range(K):
+            keep = f"; held[{t}] = held[{t}] | {1 << k}" if b.promotions else ""
+            w(
+                f"       if :: casc[{t * K + k}] -> slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1;"
+                f" casc[{t * K + k}] = 0{keep} :: else -> skip fi;"
+            )
+    for k in range(K if b.promotions else 0):
+        w(f"       prom[{k}] = 0;")
     w("       thr = STALE_THRESHOLD;")
     for j in range(J):
         w(f"       if :: jid[{j}] < thr -> jquar[{j}] = 0 :: else -> skip fi;")
@@ -825,10 +885,16 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
                 + "".join(f"; if :: cp[{j * W + r}] >= 1 -> cp[{j * W + r}] = 4 :: else -> skip fi" for r in range(W))
                 + " :: else -> skip fi;"
             )
-        for k in range(K):
+        for t in range(T):
+            for k in range(K):
+                w(
+                    f"       if :: casc[{t * K + k}] -> slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1;"
+                    f" casc[{t * K + k}] = 0 :: else -> skip fi;"
+                )
+        for k in range(K if b.promotions else 0):
             w(
-                f"       if :: casc[{k}] -> slot_end_read({k}, 0); srd[{k}] = srd[{k}] - 1; casc[{k}] = 0"
-                " :: else -> skip fi;"
+                f"       if :: prom[{k}] != 0 -> prom[{k}] = 0; if :: sst[{k}] == {st('slot', 'writing')} ->"
+                f" slot_abort_write({k}, 0) :: else -> skip fi :: else -> skip fi;"
             )
         w("       show_state(); check_invariants() }")
     w("  :: atomic { blocked && FLUSH_DONE -> " + _ev("flush_all's wait returns"))

@@ -208,9 +208,11 @@ def describe_state(line: str, bounds: PromelaBounds) -> str:
         out.append(f"J{j + 1} store of R{j % b.requests + 1} from g{group} id={jid} {_name(state)} {ranks}")
     text += " | jobs: " + (", ".join(out) or "-")
     out = []
-    for k, (state, readers, _written, cascade) in enumerate(slots):
+    for k, (state, readers, _written, cascades, promotion) in enumerate(slots):
         extra = f"({readers})" if _name(state) == "reading" else ""
-        out.append(f"s{k}={_name(state)}{extra}" + (" cascading" if cascade == "1" else ""))
+        extra += {"0": "", "1": " cascading"}.get(cascades, f" cascading x{cascades}")
+        extra += {"0": "", "1": " promotion queued", "2": " promoting"}.get(promotion, "")
+        out.append(f"s{k}={_name(state)}{extra}")
     text += " | slots: " + " ".join(out)
     text += " | gpu: " + " ".join(
         f"g{g}={'R' + str(int(owner) + 1) if busy == '1' else 'free'}" for g, (busy, owner) in enumerate(groups)
