@@ -12,15 +12,19 @@ generation time and writes them out:
   ``has_jobs`` for a request; ``has_pending_push_work`` for the engine): a truth table obtained by calling the
   machine's *bound* guard function on every value of its finite domain. A planted guard is exported planted;
 - the shared pure decisions are tabulated the same way: ``pending_push_work`` (the engine's settle guard input,
-  over every combination of the jobs' awaited/pending counts and the manager's cascades), ``is_evictable``
-  (the CPU tier's eviction choice) and ``settle_event`` (the engine's end-of-step decision).
+  over every combination of the jobs' awaited/pending counts and the other pending work: quarantine and the
+  manager's transfers), ``is_evictable`` (the CPU tier's eviction choice), ``settle_event`` (the engine's
+  end-of-step decision), ``fenced_jobs`` (which stores a step flushes, over the GPU groups handed out and
+  every job's fence) and ``stale_threshold_after_reset`` (over every job counter and threshold).
 
 The composition around them is generic and driven by the bounds: ``J`` store jobs copied by ``W`` ranks
 (per-rank launch, copy, report, the spec's per-rank ack rule in the job guards), ``K`` slots, ``R`` requests
-(arrival, lookup, load, store, finish, signal, delete), a manager that cascades committed slots and evicts,
-one engine whose steps fire ``settle_event``'s answer. Properties come from ``spec/invariants.toml`` where
-they are expressible as assertions at every atomic step; spec/README.md, "SPIN export", lists what is
-covered and what is abstracted away.
+(arrival, lookup, load, store, finish, signal, delete), ``G`` GPU block groups with fences, preemptions,
+``reset_cache``, store deadlines with quarantine, a bounded shutdown, a manager that cascades committed
+slots to up to two tiers, promotes what a tier holds and evicts, and one engine whose steps flush, write the
+held groups and fire ``settle_event``'s answer. Properties come from ``spec/invariants.toml`` where they are
+expressible as assertions at every atomic step; spec/README.md, "SPIN export", lists what is covered and
+what is abstracted away. Every step prints its event and the abstract state after it, for ``spin -t``.
 """
 
 from __future__ import annotations

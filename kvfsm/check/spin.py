@@ -3,8 +3,9 @@
 ``spin -a`` turns the model into a verifier (``pan.c``), ``gcc`` compiles it (``-DSAFETY`` for the
 assertions; ``-DNFAIR`` and ``pan -a -f`` for the LTL liveness claim under weak fairness; ``-DBITSTATE`` for
 bitstate hashing, which reaches bounds that an exhaustive search cannot hold in memory, at the price of
-possibly missing states), and ``./pan`` searches. The result is parsed from pan's report: errors, states
-stored, transitions, elapsed time and rate, and which property an assertion named.
+possibly missing states; ``-DNCORE=N`` for pan's multi-core safety search), and ``./pan`` searches. The
+result is parsed from pan's report: errors, states stored, transitions, elapsed time and rate, and which
+property an assertion named.
 
 A violation is turned into a trace people can read: pan's trail is shortened (``-DREACH``, ``pan -i``, for
 safety), ``spin -t`` replays it and prints what the generated model prints at every atomic step (the event,
@@ -314,7 +315,7 @@ def run_spin(
         if cores > 1:
             if b.liveness:
                 raise KvfsmError("multi-core pan (cores > 1) checks safety only; expected liveness=False")
-            flags.append(f"-DNCORE={cores}")
+            flags += [f"-DNCORE={cores}", "-DMEMLIM=8192"]  # the cores share a segment: 8 GiB, not pan's 2
         _run([cc, *flags, "-o", "pan", "pan.c"], where, timeout)
         pan = [str(where / "pan"), "-n", f"-m{max_depth}", f"-w{hash_bits}" if bitstate else "-w24"]
         if b.liveness:
