@@ -279,7 +279,14 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--workers", "--ranks", dest="workers", type=int_in(1, 4), default=None, metavar="N", help="W (2; 1 to 4)"
     )
-    p.add_argument("--slots", type=int_in(1, 6), default=None, metavar="N", help="CPU slots (1; 1 to 6)")
+    p.add_argument("--slots", type=int_in(1, 6), default=None, metavar="N", help="CPU slots (2; 1 to 6)")
+    p.add_argument("--groups", type=int_in(1, 3), default=None, metavar="N", help="GPU block groups (1; 1 to 3)")
+    p.add_argument("--resets", type=int_in(0, 3), default=None, metavar="N", help="reset_cache calls (1; 0 to 3)")
+    p.add_argument("--preemptions", type=int_in(0, 3), default=None, metavar="N", help="preemptions (1; 0 to 3)")
+    p.add_argument("--deadlines", type=int_in(0, 3), default=None, metavar="N", help="store deadlines (0; 0 to 3)")
+    p.add_argument("--shutdown", action="store_true", help="the engine may be shut down (bounded)")
+    p.add_argument("--tiers", type=int_in(0, 2), default=None, metavar="N", help="secondary tiers (1; 0 to 2)")
+    p.add_argument("--promotions", action="store_true", help="the tiers hit what they hold (promotions)")
     p.add_argument("--jobs", type=int_in(1, 6), default=None, metavar="N", help="store jobs in all (2; 1 to 6)")
     p.add_argument("--cascades", type=int_in(0, 6), default=None, metavar="N", help="cascades in all (1; 0 to 6)")
     p.add_argument("--drain", choices=["non_blocking", "blocking"], default=None, help="the engine's drain mode")

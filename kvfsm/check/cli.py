@@ -86,25 +86,18 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "bitstate",
     "jobs",
     "cascades",
+    "cores",
 )
 #: The native checker's options that the generated Promela composition does not model (kvfsm check --engine
 #: spin refuses them; spec/README.md, "SPIN export").
 NOT_FOR_SPIN: tuple[str, ...] = (
     "prompts",
     "chunks",
-    "groups",
-    "tiers",
-    "resets",
-    "preemptions",
     "max_jobs",
-    "deadlines",
     "durable",
-    "promotions",
-    "shutdown",
     "keep_going",
     "max_states",
     "replay",
-    "brief",
     "diagram",
 )
 
@@ -192,9 +185,17 @@ def add_spin_arguments(p: argparse.ArgumentParser) -> None:
         choices=["bfs", "spin"],
         default=None,
         help="bfs: kvfsm's own checker (the default); spin: generate Promela from spec/ and run SPIN on it "
-        "(uses --requests, --workers, --slots, --drain, --no-failures, --no-liveness)",
+        "(uses --requests, --workers, --slots, --groups, --resets, --preemptions, --deadlines, --shutdown, "
+        "--tiers, --promotions, --drain, --no-failures, --no-liveness)",
     )
     s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
+    s.add_argument(
+        "--cores",
+        type=int_in(1, 64),
+        default=None,
+        metavar="N",
+        help="with --engine spin: pan's multi-core safety search on N cores (-DNCORE=N; 1, the default: one core)",
+    )
     for name, text in (("jobs", "store jobs in all"), ("cascades", "write-through cascades in all")):
         lo = 0 if name == "cascades" else 1
         hi = MAX_PROMELA_BOUNDS[name]
@@ -230,6 +231,13 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
         slots=get("slots", "slots"),
         requests=get("requests", "requests"),
         cascades=get("cascades", "cascades"),
+        groups=get("groups", "groups"),
+        resets=get("resets", "resets"),
+        preemptions=get("preemptions", "preemptions"),
+        deadlines=get("deadlines", "deadlines"),
+        shutdown=bool(getattr(args, "shutdown", False)),
+        tiers=get("tiers", "tiers"),
+        promotions=bool(getattr(args, "promotions", False)),
         failures=not getattr(args, "no_failures", False),
         drain=DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING,
         liveness=liveness,
@@ -238,7 +246,7 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
 
 def run_spin_check(args: argparse.Namespace) -> int:
     """``kvfsm check --engine spin``: the safety run, then (unless --no-liveness) the liveness run."""
-    from kvfsm.check.spin import run_spin
+    from kvfsm.check.spin import format_trace, run_spin
 
     refused = [
         "--" + name.replace("_", "-")
@@ -248,13 +256,17 @@ def run_spin_check(args: argparse.Namespace) -> int:
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
-            "--slots, --jobs, --cascades, --drain, --no-failures, --no-liveness, --bitstate with --engine spin"
+            "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --tiers, --promotions, --jobs, "
+            "--cascades, --drain, --no-failures, --no-liveness, --bitstate, --cores, --brief with --engine spin"
         )
+    cores = getattr(args, "cores", None) or 1
+    if cores > 1 and not args.no_liveness:
+        raise ConfigError("--cores runs pan's multi-core safety search only; add --no-liveness")
     runs = [False] if args.no_liveness else [False, True]
     results = []
     for liveness in runs:
         bounds = promela_bounds_from(args, liveness=liveness)
-        results.append(run_spin(bounds, bitstate=bool(args.bitstate)))
+        results.append(run_spin(bounds, bitstate=bool(args.bitstate), cores=cores))
     if args.json:
         json.dump([r.summary() for r in results], sys.stdout, indent=2)
         print()
@@ -262,12 +274,17 @@ def run_spin_check(args: argparse.Namespace) -> int:
         for r in results:
             what = "liveness (LTL, weak fairness)" if r.liveness else "safety assertions"
             print(
-                f"spin {what}{', bitstate' if r.bitstate else ''}: {_promela_bounds_text(r.bounds.as_dict())}: "
+                f"spin {what}{', bitstate' if r.bitstate else ''}{f', {r.cores} cores' if r.cores > 1 else ''}: "
+                f"{_promela_bounds_text(r.bounds.as_dict())}: "
                 f"errors: {r.errors}, {r.states:,} states stored, {r.transitions:,} transitions in {r.seconds:.2f} s "
                 f"({r.states_per_second:,.0f} states/s), depth {r.depth:,}"
                 + ("" if r.complete else ", search incomplete")
                 + (f"; violated: {', '.join(r.violated)}" if r.violated else "")
             )
+            if r.trace:
+                print()
+                print(format_trace(r, states=not args.brief))
+                print()
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -342,8 +359,11 @@ def run(args: argparse.Namespace) -> int:
         getattr(args, "bitstate", False)
         or getattr(args, "jobs", None) is not None
         or getattr(args, "cascades", None) is not None
+        or getattr(args, "cores", None) is not None
     ):
-        raise ConfigError("--bitstate, --jobs and --cascades apply to the generated Promela model; add --engine spin")
+        raise ConfigError(
+            "--bitstate, --cores, --jobs and --cascades apply to the generated Promela model; add --engine spin"
+        )
     bounds = bounds_from(args)
     max_states = 0 if args.max_states is None else args.max_states
     if not is_int(max_states) or not 0 <= max_states <= MAX_STATES:
