@@ -47,6 +47,7 @@ the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` w
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -254,6 +255,19 @@ class State(NamedTuple):
     expiries: int = 0  #: deadlines that have passed (counted only when Bounds.deadlines is set)
     #: a bounded shutdown gave up (abandon_jobs, abandon_transfers): what is left is no longer pending work
     abandoned: bool = False
+
+
+#: The counters: State fields that only the guards in Model.successors() read and only the events that use
+#: them up increment. The memos key on the state without them (see Model._memo), and _shift moves a
+#: memoized result onto a state with other counters.
+_COUNTER_FIELDS = ("arrivals", "resets", "preemptions", "expiries")
+_COUNTERS = tuple(State._fields.index(name) for name in _COUNTER_FIELDS)
+_counters = operator.itemgetter(*_COUNTERS)
+_without_counters = operator.itemgetter(*(i for i in range(len(State._fields)) if i not in _COUNTERS))
+#: The same without the poll gate too, for the events that poll the tiers before reading it.
+_without_counters_or_poll = operator.itemgetter(
+    *(i for i, name in enumerate(State._fields) if i not in _COUNTERS and name != "polled")
+)
 
 
 class ModelViolation(Exception):
@@ -814,10 +828,8 @@ class Model:
         """``fn(s, arg)`` through _guard, memoized. ``polls_first``: ``fn`` runs the tiering manager's poll
         before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
         its result does not depend on ``s.polled`` either, which is left out of the key."""
-        if polls_first and self.bounds.tiers:
-            key: tuple[Any, ...] = (fn.__name__, arg, *s[:6], *s[7:8], *s[11:14], *s[15:])
-        else:
-            key = (fn.__name__, arg, *s[:8], *s[11:14], *s[15:])
+        rest = _without_counters_or_poll(s) if polls_first and self.bounds.tiers else _without_counters(s)
+        key = (fn.__name__, arg, *rest)
         hit = self._memo_events.get(key)
         if hit is None:
             r = self._guard(fn, s, arg)
@@ -841,7 +853,7 @@ class Model:
     def _memo_lookup(
         self, s: State, i: int, clean: int, free_dirty: list[int], has_clean: bool
     ) -> list[tuple[Label, State | ModelViolation | None]]:
-        key = (i, *s[:8], *s[11:14], *s[15:])
+        key = (i, *_without_counters(s))
         hit = self._memo_lookups.get(key)
         if hit is None:
             out = list(self._lookup(s, i, clean, free_dirty, has_clean))
@@ -1643,7 +1655,7 @@ class Model:
     def invariants(self, s: State) -> list[tuple[str, str]]:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
         # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
-        key = s[:8] + s[11:14] + s[15:]
+        key = _without_counters(s)
         out = self._memo_invariants.get(key)
         if out is None:
             out = self._memo_invariants[key] = self._invariants(s)
@@ -1775,14 +1787,17 @@ class Model:
     def canonical(self, s: State) -> State:
         # Memoized on the state without its counters, which the representative keeps as they are (see
         # _memo): states that differ only in them are renumbered once.
-        key = s[:8] + s[11:14] + s[15:]
+        key = _without_counters(s)
         c = self._memo_canonical.get(key)
         if c is None:
             c = self._memo_canonical[key] = self.canonical_with_maps(s).state
             return c
-        if c[8] == s[8] and c[9] == s[9] and c[10] == s[10] and c[14] == s[14]:
+        if _counters(c) == _counters(s):
             return c
-        return _new(State, (*c[:8], s[8], s[9], s[10], *c[11:14], s[14], *c[15:]))
+        out = list(c)
+        for i in _COUNTERS:
+            out[i] = s[i]
+        return _new(State, out)
 
     def canonical_with_maps(self, s: State) -> Canonical:
         """The representative of ``s``, and how its indices map back to those of ``s``.
@@ -1887,17 +1902,18 @@ _MISSING: Any = object()
 
 
 def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
-    """``r``, the result of an event on ``was``, moved onto ``s`` (``was`` but for its counters): the
-    counters arrivals, resets, preemptions (fields 8 to 10) and expiries (14) shifted by as much."""
+    """``r``, the result of an event on ``was``, moved onto ``s`` (``was`` but for its counters): each
+    counter (:data:`_COUNTER_FIELDS`) shifted by as much."""
     if type(r) is not State or was is s:
         return r
-    a = s[8] - was[8]
-    b = s[9] - was[9]
-    c = s[10] - was[10]
-    d = s[14] - was[14]
-    if not (a or b or c or d):
-        return r
-    return _new(State, (*r[:8], r[8] + a, r[9] + b, r[10] + c, *r[11:14], r[14] + d, *r[15:]))
+    out: list[Any] | None = None
+    for i, now, then in zip(_COUNTERS, _counters(s), _counters(was), strict=True):
+        d = now - then
+        if d:
+            if out is None:
+                out = list(r)
+            out[i] += d
+    return r if out is None else _new(State, out)
 
 
 _TERMINAL_SKIP = (
