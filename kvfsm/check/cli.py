@@ -254,10 +254,11 @@ def run_spin_check(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is not None and getattr(args, name, None) is not False
     ]
     if refused:
+        allowed = ", ".join(
+            "--" + name.replace("_", "-") for name in EXPLORE_OPTIONS if name not in (*NOT_FOR_SPIN, "engine")
+        )
         raise ConfigError(
-            f"{', '.join(refused)} are not in the generated Promela model; expected only --requests, --workers, "
-            "--slots, --groups, --resets, --preemptions, --deadlines, --shutdown, --tiers, --promotions, --jobs, "
-            "--cascades, --drain, --no-failures, --no-liveness, --bitstate, --cores, --brief with --engine spin"
+            f"{', '.join(refused)} are not in the generated Promela model; expected only {allowed} with --engine spin"
         )
     cores = getattr(args, "cores", None) or 1
     if cores > 1 and not args.no_liveness:
