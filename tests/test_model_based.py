@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -329,14 +330,14 @@ def _nightly_bounds() -> Bounds:
     """Bounds() (the ``kvfsm check`` defaults), with ``KVFSM_REPLAY_BOUNDS`` overriding any of them, e.g.
     ``KVFSM_REPLAY_BOUNDS=tiers=2,durable=1,promotions=1,deadlines=1,shutdown=1`` for the full scope."""
     spec = os.environ.get("KVFSM_REPLAY_BOUNDS", "").strip()
-    values: dict[str, int | bool] = {}
+    values: dict[str, Any] = {}
     defaults = Bounds().as_dict()
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, value = item.partition("=")
         if name not in defaults:
             raise pytest.UsageError(f"KVFSM_REPLAY_BOUNDS: no bound {name!r}; expected one of {sorted(defaults)}")
         values[name] = bool(int(value)) if isinstance(defaults[name], bool) else int(value)
-    return Bounds(**values)  # type: ignore[arg-type]  # names checked against Bounds' fields above
+    return Bounds(**values)  # names checked against Bounds' fields above; values by Bounds.__post_init__
 
 
 @pytest.mark.nightly
@@ -344,7 +345,7 @@ def test_nightly_every_edge_of_the_default_bounds_graph_replays() -> None:
     """The nightly profile (opt-in: ``pytest -m nightly tests/test_model_based.py -s``): every edge of the
     default-bounds graph replayed on the real scheduler, managers and workers, and every negative probe
     applied in every reachable state. Its time is recorded in the README. ``KVFSM_REPLAY_BOUNDS`` widens
-    the bounds (see :func:`_nightly_bounds`); with shutdown in scope the model's shutdown is the loop's."""
+    the bounds (see :func:`_nightly_bounds`)."""
     bounds = _nightly_bounds()
     result = explore(bounds)
     assert result.ok and result.graph is not None
