@@ -102,3 +102,23 @@ def test_a_model_explored_twice_explores_the_same_graph() -> None:
     assert first.graph is not None and second.graph is not None
     assert graph_digest(first.graph) == graph_digest(second.graph)
     assert (first.states, first.edges) == (second.states, second.edges)
+
+
+@pytest.mark.parametrize("name", ["small", "durable", "shutdown", "blocking-drain"])
+def test_trimming_the_memos_explores_the_same_graph(name: str) -> None:
+    """A large exploration drops the model's memos whenever they outgrow ``memo_limit``: with a limit small
+    enough to drop them every few thousand states, the graph, its violations and its counts are the
+    pinned ones, only computed more often."""
+    bounds, drain, expected = PINNED[name]
+    result = explore(model=Model(bounds, drain), stop_at_first=False, memo_limit=1_000)
+    assert result.graph is not None and result.complete
+    assert result.memos_trimmed > 0
+    got = (
+        result.states,
+        result.edges,
+        result.pruned,
+        result.responsiveness_checks,
+        [(v.invariant, v.length) for v in result.violations],
+        graph_digest(result.graph),
+    )
+    assert got == expected

@@ -61,6 +61,12 @@ _DRAINING = frozenset({EngineState.FINISHING, EngineState.DRAINING})
 #: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
 _NOT_PROGRESS = frozenset({"arrive", "reset", "shutdown"})
 
+#: The default bound on the model's memos, in results held (Model.trim_memos). The default bounds hold
+#: about 190,000; each result costs about 750 bytes, so this caps them near 1.5 GB.
+MEMO_LIMIT = 2_000_000
+#: How often (in states expanded) the exploration looks at the memos' size.
+_TRIM_EVERY = 4096
+
 #: Called every so often with (states, edges, queue length, seconds).
 ProgressCallback = Callable[[int, int, int, float], None]
 
@@ -124,6 +130,7 @@ class ExplorationResult:
     responsiveness_checks: int = 0  #: arrivals while the engine drained, each checked for responsiveness
     drain: DrainMode = DrainMode.NON_BLOCKING
     cpu_seconds: float = 0.0  #: CPU time of the exploration (time.process_time), liveness included
+    memos_trimmed: int = 0  #: how many times the model's memos were dropped at memo_limit
 
     @property
     def ok(self) -> bool:
@@ -152,6 +159,7 @@ class ExplorationResult:
             "liveness_checked": self.liveness_checked,
             "responsiveness_checks": self.responsiveness_checks,
             "drain": self.drain.value,
+            "memos_trimmed": self.memos_trimmed,
             "violations": [
                 {
                     "invariant": v.invariant,
@@ -175,6 +183,7 @@ def explore(
     keep_graph: bool = True,
     check_liveness: bool = True,
     max_states: int = 0,
+    memo_limit: int = MEMO_LIMIT,
     symmetry: bool = True,
     progress: ProgressCallback | None = None,
     progress_every: int = 20_000,
@@ -186,8 +195,9 @@ def explore(
     ``stop_at_first``: return at the first violation (its counterexample is a shortest one). Otherwise keep
     going and report the first violation of each invariant. ``keep_graph`` keeps every edge (needed for
     the liveness check and for model-based tests). ``max_states`` > 0 stops early (``complete`` False).
-    ``symmetry=False`` explores raw states (no symmetry reduction), for comparison. ``drain`` picks the
-    engine's drain mode (ignored when ``model`` is given: the model's own mode is used).
+    ``symmetry=False`` explores raw states (no symmetry reduction), for comparison. ``memo_limit`` bounds
+    the model's memos (:meth:`Model.trim_memos`): the graph is the same, only memory and time change.
+    ``drain`` picks the engine's drain mode (ignored when ``model`` is given: the model's own mode is used).
 
     Besides the invariants, every arrival taken while the engine is finishing, draining or blocked is
     checked for responsiveness: the new request must be looked up within one engine step with no transfer
@@ -205,6 +215,7 @@ def explore(
             keep_graph=keep_graph,
             check_liveness=check_liveness,
             max_states=max_states,
+            memo_limit=memo_limit,
             symmetry=symmetry,
             progress=progress,
             progress_every=progress_every,
@@ -223,6 +234,7 @@ def _explore(
     keep_graph: bool,
     check_liveness: bool,
     max_states: int,
+    memo_limit: int,
     symmetry: bool,
     progress: ProgressCallback | None,
     progress_every: int,
@@ -255,6 +267,7 @@ def _explore(
     pruned = 0
     edges = 0
     arrivals_checked = 0
+    memos_trimmed = 0
 
     def label_id(label: Label) -> int:
         lid = label_ids.get(label)
@@ -293,6 +306,7 @@ def _explore(
             arrivals_checked,
             model.drain,
             time.process_time() - cpu_start,
+            memos_trimmed,
         )
 
     for name, detail in invariants(init):
@@ -343,6 +357,8 @@ def _explore(
         i += 1
         if progress is not None and i % progress_every == 0:
             progress(len(states), edges, len(states) - i, time.perf_counter() - start)
+        if i % _TRIM_EVERY == 0:
+            memos_trimmed += model.trim_memos(memo_limit)
         if max_states and len(states) >= max_states:
             return finish(False, False)
     if progress is not None:

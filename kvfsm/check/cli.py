@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TextIO
 
-from kvfsm.check.bfs import ExplorationResult, Violation, explore, format_trace, mermaid_sequence
+from kvfsm.check.bfs import MEMO_LIMIT, ExplorationResult, Violation, explore, format_trace, mermaid_sequence
 from kvfsm.check.model import Bounds, Model
 from kvfsm.check.promela import PromelaBounds
 from kvfsm.check.properties import DrainMode
@@ -78,6 +78,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "keep_going",
     "no_liveness",
     "max_states",
+    "memo_limit",
     "replay",
     "brief",
     "drain",
@@ -97,6 +98,7 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "durable",
     "keep_going",
     "max_states",
+    "memo_limit",
     "replay",
     "diagram",
 )
@@ -162,6 +164,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"stop after this many states (0: no limit, the default; at most {MAX_STATES:,})",
+    )
+    o.add_argument(
+        "--memo-limit",
+        type=int_in(0, MAX_STATES),
+        default=None,
+        metavar="N",
+        help=f"drop the model's memos whenever they hold more than N results: less memory, the same graph "
+        f"({MEMO_LIMIT:,}, about 1.5 GB)",
     )
     o.add_argument(
         "--replay",
@@ -383,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
             keep_graph=not args.no_liveness or args.replay,
             check_liveness=not args.no_liveness,
             max_states=max_states,
+            memo_limit=MEMO_LIMIT if args.memo_limit is None else args.memo_limit,
             progress=progress,
             model=model,
         )
@@ -456,6 +467,7 @@ def _print_text(
         f"{status}"
         + (f", {result.pruned:,} edges pruned by --max-jobs" if result.pruned else "")
         + (", liveness checked" if result.liveness_checked else "")
+        + (f", memos dropped {result.memos_trimmed:,} times at --memo-limit" if result.memos_trimmed else "")
         + f"; drain={result.drain.value}, responsiveness checked on {result.responsiveness_checks:,} arrivals "
         "while draining"
     )

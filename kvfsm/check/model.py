@@ -530,6 +530,28 @@ class Model:
         self._memo_polls.clear()
         self._memo_invariants.clear()
 
+    def memo_entries(self) -> int:
+        """How many results the per-state memos hold (events, lookups, representatives, finishes, invariants)."""
+        return (
+            len(self._memo_events)
+            + len(self._memo_lookups)
+            + len(self._memo_canonical)
+            + len(self._memo_finishes)
+            + len(self._memo_invariants)
+        )
+
+    def trim_memos(self, limit: int) -> bool:
+        """Drop the memos when they hold more than ``limit`` results; True if they were dropped.
+
+        The memos are caches of pure functions of the state, so dropping them changes no result, only
+        how often one is computed again (every shared decision is then called again on its next input:
+        more calls, never fewer). They hold about three quarters of an exploration's memory (each keeps a
+        successor state of its own), so a large exploration bounds them instead of its state count."""
+        if self.memo_entries() <= limit:
+            return False
+        self.forget()
+        return True
+
     # ------------------------------------------------------------------ spec machines, memoized
 
     def job_event(
