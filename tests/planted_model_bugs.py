@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
-from kvfsm.check import Bounds
+from kvfsm.check import Bounds, compiled
 from kvfsm.check.model import COPYING, DONE_FAIL, DONE_OK, Model
 
 __all__ = [
+    "PATCHES_MODEL",
     "PLANTED_MODEL_BUGS",
     "plant_backend_reports_running_copies",
     "plant_deadline_queue_loses_entries",
@@ -33,6 +34,14 @@ __all__ = [
     "plant_tiering_ignores_tiers",
     "plant_tiering_ignores_transfers",
 ]
+
+#: Marks a test that plants a bug by patching a method of Model. A compiled checker (a KVFSM_MYPYC=1 build,
+#: setup.py) calls its own methods directly, so a patched class attribute is never seen there: such a
+#: test would pass for the wrong reason or fail for one, and is skipped. The interpreted build (tox env
+#: tests) runs it; the compiled one is held to the same graphs by tests/test_check_fingerprints.py.
+PATCHES_MODEL = pytest.mark.skipif(
+    compiled(), reason="plants a bug by patching Model, whose compiled methods do not see the patch"
+)
 
 #: The checker's default bounds; the durable tier's bug needs a tier with pending work of its own.
 DEFAULT = Bounds()

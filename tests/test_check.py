@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable, Collection, Iterator
 
 import pytest
+from planted_model_bugs import PATCHES_MODEL
 
 import kvfsm.control.scheduler as scheduler_mod
 from kvfsm.check import LIVENESS, Bounds, Model, explore, format_trace
@@ -236,6 +237,7 @@ def test_non_blocking_drain_is_responsive_on_every_arrival_while_draining() -> N
     assert result.ok and result.responsiveness_checks > 0
 
 
+@PATCHES_MODEL
 def test_responsiveness_is_decided_not_assumed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose lookups wait for every transfer to finish (an engine that ignores its queue while work
     is in flight, without blocking) is caught."""

@@ -11,11 +11,13 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
-from planted_model_bugs import PLANTED_MODEL_BUGS
+from planted_model_bugs import PATCHES_MODEL, PLANTED_MODEL_BUGS
 
 from kvfsm.check import Bounds, Model, explore, format_trace
 from kvfsm.check.model import COPYING, SYNCING
 from kvfsm.machines.names import EngineState, JobState
+
+pytestmark = PATCHES_MODEL
 
 #: name -> (the invariant the checker reports, the counterexample length in events, BFS-shortest).
 EXPECTED: dict[str, tuple[str, int]] = {

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+from planted_model_bugs import PATCHES_MODEL
 
 from kvfsm.check import Bounds, Model, explore
 from kvfsm.check.invariants import SystemView, check_all
@@ -147,6 +148,7 @@ def test_the_initial_harness_is_the_initial_model_state() -> None:
     assert refs.reqs == [] and refs.jobs == []
 
 
+@PATCHES_MODEL
 def test_edge_replay_catches_a_model_that_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison is not vacuous: a model that commits a store's keys in reverse order (so LRU order
     differs from the implementation's) is caught."""

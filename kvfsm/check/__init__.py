@@ -22,7 +22,7 @@ from kvfsm.check.bfs import (
     explore,
     format_trace,
 )
-from kvfsm.check.model import Bounds, Model, ModelViolation, State
+from kvfsm.check.model import Bounds, Model, ModelViolation, State, compiled
 from kvfsm.check.properties import DrainMode
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "ModelViolation",
     "State",
     "Violation",
+    "compiled",
     "describe_state",
     "explore",
     "format_trace",

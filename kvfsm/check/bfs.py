@@ -32,6 +32,7 @@ from kvfsm.check.model import (
     Model,
     ModelViolation,
     State,
+    compiled,
     slot_state,
 )
 from kvfsm.check.properties import DrainMode
@@ -159,6 +160,7 @@ class ExplorationResult:
             "liveness_checked": self.liveness_checked,
             "responsiveness_checks": self.responsiveness_checks,
             "drain": self.drain.value,
+            "compiled": compiled(),
             "memos_trimmed": self.memos_trimmed,
             "violations": [
                 {

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from kvfsm.check.bfs import MEMO_LIMIT, ExplorationResult, Violation, explore, format_trace, mermaid_sequence
-from kvfsm.check.model import Bounds, Model
+from kvfsm.check.model import Bounds, Model, compiled
 from kvfsm.check.promela import PromelaBounds
 from kvfsm.check.properties import DrainMode
 from kvfsm.cli import int_in
@@ -463,7 +463,8 @@ def _print_text(
     print(
         f"{result.states:,} states, {result.edges:,} edges in {result.seconds:.2f} s "
         f"({result.states_per_second:,.0f} states/s, {result.edges / max(result.seconds, 1e-9):,.0f} edges/s; "
-        f"{result.cpu_seconds:.2f} s CPU, {result.states_per_cpu_second:,.0f} states/s by CPU time); "
+        f"{result.cpu_seconds:.2f} s CPU, {result.states_per_cpu_second:,.0f} states/s by CPU time, "
+        f"{'compiled' if compiled() else 'interpreted'}); "
         f"{status}"
         + (f", {result.pruned:,} edges pruned by --max-jobs" if result.pruned else "")
         + (", liveness checked" if result.liveness_checked else "")

@@ -270,6 +270,13 @@ _without_counters_or_poll = operator.itemgetter(
 )
 
 
+def compiled() -> bool:
+    """True when this module runs compiled (a wheel built with ``KVFSM_MYPYC=1``, setup.py), False when it
+    runs from its Python source. Both explore the same graphs (tests/test_check_fingerprints.py); the
+    compiled one is faster."""
+    return not __file__.endswith(".py")
+
+
 class ModelViolation(Exception):
     """A transition of the model broke a spec invariant (or asked a machine for a disabled event)."""
 
