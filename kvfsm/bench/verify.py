@@ -113,7 +113,13 @@ def _explore_throughput(explore: Callable[..., Any], bounds_cls: Callable[..., A
     complete = bool(getattr(result, "complete", False))
     violations = len(getattr(result, "violations", ()))
     as_dict = getattr(bounds, "as_dict", None)
-    label = "default bounds" + (", first 20k states" if quick else ", all reachable states" if complete else "")
+    from kvfsm.check import compiled
+
+    # Which build ran: the rate of a KVFSM_MYPYC=1 wheel (setup.py) and of the Python source differ.
+    build = "compiled" if compiled() else "interpreted"
+    label = f"default bounds, {build}" + (
+        ", first 20k states" if quick else ", all reachable states" if complete else ""
+    )
     return [
         VerifyResult(
             "model checker",
@@ -127,6 +133,7 @@ def _explore_throughput(explore: Callable[..., Any], bounds_cls: Callable[..., A
                 "complete": complete,
                 "violations": violations,
                 "cpu_seconds": cpu_seconds,
+                "compiled": build == "compiled",
                 "bounds": as_dict() if callable(as_dict) else str(bounds),
             },
         )
