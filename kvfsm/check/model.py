@@ -35,13 +35,17 @@ answer the engine (:meth:`Model.manager_pending`, :meth:`Model.backend_reports`,
 are separate methods, so that a bug planted in one (tests/planted_model_bugs.py) is caught by that ground
 truth.
 
+Options widen the scope (:class:`Bounds`): promotions from the tiers (``promotions``), store deadlines
+with time-out and quarantine (``deadlines``), a bounded shutdown with ``flush_all``, give-up and ``stop``
+(``shutdown``), a durable last tier (``durable``), up to two tiers (``tiers``).
+
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
-one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); the tiers
-never hit, so there are no promotions; a flush's blocking wait always completes the copy successfully;
-no deadlines and no shutdown (the engine machine's ``shutdown`` / ``stop`` rows are not explored); a reset
-is modelled with relative job ids (a discarded job is "below the threshold" iff its id 0 is below
-``stale_threshold_after_reset(1, 0)``). The drain mode (:class:`~kvfsm.check.properties.DrainMode`) is
-the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` wait is the ``blocked`` flag.
+one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
+on stores only (not on loads, cascades or promotions); a flush's blocking wait always completes the copy
+successfully; a reset is modelled with relative job ids (a discarded job is "below the threshold" iff its
+id 0 is below ``stale_threshold_after_reset(1, 0)``). The drain mode
+(:class:`~kvfsm.check.properties.DrainMode`) is the spec's: non-blocking, or the #42611 blocking baseline,
+whose ``flush_all`` wait is the ``blocked`` flag.
 """
 
 from __future__ import annotations
