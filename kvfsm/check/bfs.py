@@ -315,6 +315,10 @@ def _explore(
         if record(name, detail, 0, None):
             return finish(False, False)
 
+    # Bound once: the compiled build would otherwise look the method up by name on every edge.
+    src_append = src.append
+    dst_append = dst.append
+    label_append = lab_arr.append
     i = 0
     while i < len(states):
         s = states[i]
@@ -353,9 +357,12 @@ def _explore(
                     return finish(False, False)
             edges += 1
             if keep_graph:
-                src.append(i)
-                dst.append(sid)
-                lab_arr.append(label_id(label))
+                src_append(i)
+                dst_append(sid)
+                lid = label_ids.get(label)  # label_id(label), inline: this runs on every edge
+                if lid is None:
+                    lid = label_id(label)
+                label_append(lid)
         i += 1
         if progress is not None and i % progress_every == 0:
             progress(len(states), edges, len(states) - i, time.perf_counter() - start)

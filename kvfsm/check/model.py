@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
@@ -99,35 +99,45 @@ __all__ = [
 
 #: Tokens per GPU block in the model (one block per chunk). A prompt has ``2 * chunks + 1`` tokens: the
 #: last token is always recomputed, so every chunk of a prompt can be loaded.
-TOKENS_PER_BLOCK = 2
+TOKENS_PER_BLOCK: Final = 2
 
 # Engine's view of a request.
-E_WAIT, E_LOAD, E_RUN, E_DONE = 0, 1, 2, 3
-E_NAMES = ("waiting", "loading", "running", "done")
+E_WAIT: Final = 0
+E_LOAD: Final = 1
+E_RUN: Final = 2
+E_DONE: Final = 3
+E_NAMES: Final = ("waiting", "loading", "running", "done")
 # Job kinds.
-STORE, LOAD = 0, 1
-KIND_NAMES = ("store", "load")
+STORE: Final = 0
+LOAD: Final = 1
+KIND_NAMES: Final = ("store", "load")
 # A worker's shard of a job.
-UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED = 0, 1, 2, 3, 4
+UNLAUNCHED: Final = 0
+COPYING: Final = 1
+DONE_OK: Final = 2
+DONE_FAIL: Final = 3
+REPORTED: Final = 4
 #: A shard its backend reported finished while its copy still runs (only a lying backend does that): the
 #: model's ground truth keeps the copy running until it really ends.
-REPORTED_COPYING = 5
+REPORTED_COPYING: Final = 5
 #: A cascade to a durable tier whose write was reported, while its fsync, directory sync and index
 #: persistence still run in the background (the tier's own has_pending_work()).
-SYNCING = 6
-SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
+SYNCING: Final = 6
+SHARD_NAMES: Final = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
 #: Shard states in which a copy still runs or has not been reported: a transfer remains (ground truth).
-_UNFINISHED_SHARDS = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+_UNFINISHED_SHARDS: Final = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 #: Shard states in which a copy has not started or still runs (its memory must stay put).
-_BUSY = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
+_BUSY: Final = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
 #: Shard states in which a copy runs or has finished unreported (it holds memory until a poll hands it back).
-_UNREPORTED_COPIES = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+_UNREPORTED_COPIES: Final = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 # A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
-ABSENT, WRITING, READY = -2, -1, 0
+ABSENT: Final = -2
+WRITING: Final = -1
+READY: Final = 0
 
-_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
-_WAITING_PHASES = (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED)
-_FINISHED_PHASES = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED)
+_LIVE: Final = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+_WAITING_PHASES: Final = (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED)
+_FINISHED_PHASES: Final = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED)
 
 #: An event of the model, e.g. ``("copy", 1, 0, True)``: kind first, then indices into the source state.
 Label = tuple[Any, ...]
@@ -260,12 +270,21 @@ class State(NamedTuple):
 #: The counters: State fields that only the guards in Model.successors() read and only the events that use
 #: them up increment. The memos key on the state without them (see Model._memo), and _shift moves a
 #: memoized result onto a state with other counters.
-_COUNTER_FIELDS = ("arrivals", "resets", "preemptions", "expiries")
-_COUNTERS = tuple(State._fields.index(name) for name in _COUNTER_FIELDS)
-_counters = operator.itemgetter(*_COUNTERS)
-_without_counters = operator.itemgetter(*(i for i in range(len(State._fields)) if i not in _COUNTERS))
+_COUNTER_FIELDS: Final = ("arrivals", "resets", "preemptions", "expiries")
+_COUNTERS: Final = tuple(State._fields.index(name) for name in _COUNTER_FIELDS)
+# The counters' positions as literal constants: the compiled build reads them as direct tuple items (mypyc
+# inlines a Final int), where _COUNTERS would be a loop over a tuple of boxed ints.
+_S_ARRIVALS: Final = 8
+_S_RESETS: Final = 9
+_S_PREEMPTIONS: Final = 10
+_S_EXPIRIES: Final = 14
+assert (
+    len(State._fields) == 16
+    and tuple(State._fields[i] for i in (_S_ARRIVALS, _S_RESETS, _S_PREEMPTIONS, _S_EXPIRIES)) == _COUNTER_FIELDS
+), "State's fields moved: update _S_* and _with_counters"
+_without_counters: Final = operator.itemgetter(*(i for i in range(len(State._fields)) if i not in _COUNTERS))
 #: The same without the poll gate too, for the events that poll the tiers before reading it.
-_without_counters_or_poll = operator.itemgetter(
+_without_counters_or_poll: Final = operator.itemgetter(
     *(i for i, name in enumerate(State._fields) if i not in _COUNTERS and name != "polled")
 )
 
@@ -438,18 +457,39 @@ class _World:
 
 
 # Records from the mutable lists of _World (C-level constructors, without NamedTuple.__new__'s arguments).
-_new_req = functools.partial(tuple.__new__, Req)
-_new_job = functools.partial(tuple.__new__, JobRec)
-_new_tier = functools.partial(tuple.__new__, TierRec)
+_new_req: Final = functools.partial(tuple.__new__, Req)
+_new_job: Final = functools.partial(tuple.__new__, JobRec)
+_new_tier: Final = functools.partial(tuple.__new__, TierRec)
 
 # Field positions, for the mutable lists of _World.
-_R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
-_J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
-_J_EXPIRED = 10
-_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED, _T_PROMOTE = range(5)
+_R_PHASE: Final = 0
+_R_ENG: Final = 1
+_R_PROMPT: Final = 2
+_R_COMPUTED: Final = 3
+_R_NEXT: Final = 4
+_R_GROUP: Final = 5
+_R_POS: Final = 6
+_R_FIN: Final = 7
+_R_ALLOC: Final = 8
+_J_KIND: Final = 0
+_J_KEYS: Final = 1
+_J_REQ: Final = 2
+_J_GROUP: Final = 3
+_J_STATE: Final = 4
+_J_PENDING: Final = 5
+_J_FAILED: Final = 6
+_J_SHARDS: Final = 7
+_J_IGNORED: Final = 8
+_J_WORLD: Final = 9
+_J_EXPIRED: Final = 10
+_T_KEYS: Final = 0
+_T_STATUS: Final = 1
+_T_TIER: Final = 2
+_T_HARVESTED: Final = 3
+_T_PROMOTE: Final = 4
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
-CHECKED_INVARIANTS = (
+CHECKED_INVARIANTS: Final = (
     "pending_work_covers_jobs",
     "idle_only_when_nothing_pending",
     "readable_only_after_commit",
@@ -462,7 +502,7 @@ CHECKED_INVARIANTS = (
 )
 
 #: Which invariant a disabled transition of each machine violates.
-_MACHINE_INVARIANT = {
+_MACHINE_INVARIANT: Final = {
     "job": "complete_exactly_once",
     "slot": "readable_only_after_commit",
     "request": "one_load_per_request",
@@ -782,7 +822,6 @@ class Model:
         a fixed order (a list rather than a generator: cheaper, and every event is taken anyway)."""
         b = self.bounds
         out: list[tuple[Label, State | ModelViolation | None]] = []
-        add = out.append
         batch_open = any(r.alloc for r in s.reqs)
         # Environment: a copy or a cascade finishes (or fails).
         outcomes = (True, False) if b.failures else (True,)
@@ -790,37 +829,37 @@ class Model:
             for w, shard in enumerate(job.shards):
                 if shard == COPYING:
                     for ok in outcomes:
-                        add((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
+                        out.append((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
-                    add((("copy", j, w, True), self._copy_done(s, j, w, True)))
+                    out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
                 for ok in outcomes:
-                    add((("tier", c, ok), self._tier_done(s, c, ok)))
+                    out.append((("tier", c, ok), self._tier_done(s, c, ok)))
             elif rec.status == SYNCING:
-                add((("sync", c), self._sync_done(s, c)))
+                out.append((("sync", c), self._sync_done(s, c)))
         if s.expiries < b.deadlines:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
-                    add((("expire", j), self._expire(s, j)))
+                    out.append((("expire", j), self._expire(s, j)))
         if s.engine is EngineState.STOPPED:
             return out  # the process has stopped: nothing else happens
         if s.engine is EngineState.SHUTTING_DOWN:
             # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
             if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
-                add((("step",), self._guard(self._step, s, -1)))
-                add((("give_up",), self._guard(self._give_up, s, -1)))
+                out.append((("step",), self._guard(self._step, s, -1)))
+                out.append((("give_up",), self._guard(self._give_up, s, -1)))
             else:
-                add((("stop",), self._guard(self._stop, s, -1)))
+                out.append((("stop",), self._guard(self._stop, s, -1)))
             return out
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
-                add((("arrive", p), self._guard(self._arrive, s, p)))
+                out.append((("arrive", p), self._guard(self._arrive, s, p)))
         if s.blocked:
             # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
             if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
-                add((("unblock",), self._guard(self._unblock, s, -1)))
+                out.append((("unblock",), self._guard(self._unblock, s, -1)))
             return out
         used = self._groups_in_use(s)
         owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
@@ -829,18 +868,22 @@ class Model:
         for i, r in enumerate(s.reqs):
             if r.eng == E_WAIT and (has_clean or free_dirty):
                 out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+        if s.engine is EngineState.IDLE and batch_open:
+            return out
+        # What the memo keys of this state's steps and reset hold (see _memo), built once for all of them.
+        polls_first = _without_counters_or_poll(s) if b.tiers else _without_counters(s)
         if s.engine is not EngineState.IDLE:
-            add((("step",), self._memo(self._step, s, -1, True)))
+            out.append((("step",), self._memo(_STEP, s, -1, polls_first)))
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    add((("preempt", i), self._memo(self._step, s, i, True)))
+                    out.append((("preempt", i), self._memo(_STEP, s, i, polls_first)))
                 if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    add((("finish", i), self._memo_finish(s, i)))
+                    out.append((("finish", i), self._memo_finish(s, i)))
             if s.resets < b.resets:
-                add((("reset",), self._memo(self._reset, s, -1, True)))
+                out.append((("reset",), self._memo(_RESET, s, -1, polls_first)))
             if b.shutdown:
-                add((("shutdown",), self._memo(self._shutdown, s, -1)))
+                out.append((("shutdown",), self._memo(_SHUTDOWN, s, -1, _without_counters(s))))
         return out
 
     # -- memoized events
@@ -851,17 +894,27 @@ class Model:
     # events are memoized, inside this Model, on the state without them (``created`` stays in the key: it
     # prunes), which computes each about half as often at the default bounds.
 
-    def _memo(
-        self, fn: Callable[[State, int], State], s: State, arg: int, polls_first: bool = False
-    ) -> State | ModelViolation | None:
-        """``fn(s, arg)`` through _guard, memoized. ``polls_first``: ``fn`` runs the tiering manager's poll
-        before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
-        its result does not depend on ``s.polled`` either, which is left out of the key."""
-        rest = _without_counters_or_poll(s) if polls_first and self.bounds.tiers else _without_counters(s)
-        key = (fn.__name__, arg, *rest)
+    def _memo(self, event: int, s: State, arg: int, rest: tuple[Any, ...]) -> State | ModelViolation | None:
+        """Event ``event`` (_STEP: ``arg`` the request to preempt or -1, _RESET, _SHUTDOWN) on ``s`` through
+        _guard, memoized on ``rest``: ``s`` without its counters, and for the events that run the tiering
+        manager's poll before anything reads the poll gate (a step's build_connector_meta, a reset's drain)
+        without ``s.polled`` too when there are tiers (their result does not depend on it). ``rest`` is
+        computed once per state by successors(), for all of its events. The event is a number, not a bound
+        method: the compiled build then calls the method directly and builds no method object per call."""
+        key = (event, arg, rest)
         hit = self._memo_events.get(key)
         if hit is None:
-            r = self._guard(fn, s, arg)
+            try:
+                if event == _STEP:
+                    r: State | ModelViolation | None = self._step(s, arg)
+                elif event == _RESET:
+                    r = self._reset(s, arg)
+                else:
+                    r = self._shutdown(s, arg)
+            except ModelViolation as exc:
+                r = exc.with_traceback(None)  # as in _guard
+            except _Pruned:
+                r = None
             self._memo_events[key] = (r, s)
             return r
         return _shift(hit[0], hit[1], s)
@@ -1821,12 +1874,14 @@ class Model:
         if c is None:
             c = self._memo_canonical[key] = self.canonical_with_maps(s).state
             return c
-        if _counters(c) == _counters(s):
+        if (
+            c[_S_ARRIVALS] == s[_S_ARRIVALS]
+            and c[_S_RESETS] == s[_S_RESETS]
+            and c[_S_PREEMPTIONS] == s[_S_PREEMPTIONS]
+            and c[_S_EXPIRIES] == s[_S_EXPIRIES]
+        ):
             return c
-        out = list(c)
-        for i in _COUNTERS:
-            out[i] = s[i]
-        return _new(State, out)
+        return _with_counters(c, s[_S_ARRIVALS], s[_S_RESETS], s[_S_PREEMPTIONS], s[_S_EXPIRIES])
 
     def canonical_with_maps(self, s: State) -> Canonical:
         """The representative of ``s``, and how its indices map back to those of ``s``.
@@ -1845,73 +1900,123 @@ class Model:
         rmap[-1] = -1
         gmap: dict[int, int] = {}
         for old in rorder:
-            g = reqs[old].group
+            g = reqs[old][_R_GROUP]
             if g >= 0 and g not in gmap:
                 gmap[g] = len(gmap)
         jobs = s.jobs
         W = self.W
-        wperm = list(range(W))
         if W > 1 and len(jobs) == 1:
             # One job: the ranks ordered by their shard (what the general case below computes, cheaper).
-            wperm = sorted(range(W), key=jobs[0].shards.__getitem__)
+            wperm = _order(list(jobs[0][_J_SHARDS]))
         elif W > 1 and jobs:
             # Order the jobs without looking at which rank holds which shard, then the ranks by their
             # column of shards in that order.
-            pre = sorted(
-                range(len(jobs)),
-                key=lambda j: (
-                    jobs[j][:2],
-                    rmap[jobs[j].req],
-                    gmap.get(jobs[j].group, _FREE_GROUP),
-                    jobs[j][4:7],
-                    sorted(jobs[j].shards),
-                    jobs[j].ignored,
-                    jobs[j].expired,
-                ),
+            pre = _order(
+                [
+                    (
+                        job[:2],
+                        rmap[job[_J_REQ]],
+                        gmap.get(job[_J_GROUP], _FREE_GROUP),
+                        job[4:7],
+                        sorted(job[_J_SHARDS]),
+                        job[_J_IGNORED],
+                        job[_J_EXPIRED],
+                    )
+                    for job in jobs
+                ]
             )
-            cols = [tuple(jobs[j].shards[w] for j in pre) for w in range(W)]
-            wperm = sorted(range(W), key=cols.__getitem__)
-        swap = wperm != list(range(W))
+            wperm = _order([tuple([jobs[j][_J_SHARDS][w] for j in pre]) for w in range(W)])
+        else:
+            wperm = list(range(W))
+        swap = not _is_identity(wperm)
         keyed = []
         for n, job in enumerate(jobs):
-            shards = tuple(job.shards[w] for w in wperm) if swap else job.shards
-            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n)
-            keyed.append((*job[:2], rmap[job[2]], gmap.get(job[3], _FREE_GROUP), *job[4:7], shards, job[8], job[10], n))
+            shards = tuple([job[_J_SHARDS][w] for w in wperm]) if swap else job[_J_SHARDS]
+            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n), built
+            # whole rather than from slices
+            keyed.append(
+                (
+                    job[_J_KIND],
+                    job[_J_KEYS],
+                    rmap[job[_J_REQ]],
+                    gmap.get(job[_J_GROUP], _FREE_GROUP),
+                    job[_J_STATE],
+                    job[_J_PENDING],
+                    job[_J_FAILED],
+                    shards,
+                    job[_J_IGNORED],
+                    job[_J_EXPIRED],
+                    n,
+                )
+            )
         keyed.sort()
         jorder = [k[-1] for k in keyed]
         for k in keyed:
-            g = jobs[k[-1]].group
+            g = jobs[k[-1]][_J_GROUP]
             if g not in gmap:
                 gmap[g] = len(gmap)
         tier = s.tier
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         # (gmap numbers the groups in the order it met them: it is the identity iff its keys are 0, 1, ...)
-        if (
-            not swap
-            and rorder == list(range(nr))
-            and jorder == list(range(len(jobs)))
-            and torder == list(range(len(tier)))
-            and list(gmap) == list(range(len(gmap)))
-        ):
-            return Canonical(s, rorder, jorder, gmap, torder, wperm)  # s is its own representative
+        if not swap and _is_identity(rorder) and _is_identity(jorder) and _is_identity(torder) and _is_identity(gmap):
+            return _new(Canonical, (s, rorder, jorder, gmap, torder, wperm))  # s is its own representative
         new_reqs = []
         for i in rorder:
             r = reqs[i]
-            g = r.group
-            new_reqs.append(r if g < 0 or gmap[g] == g else _new(Req, (*r[:_R_GROUP], gmap[g], *r[_R_GROUP + 1 :])))
+            g = r[_R_GROUP]
+            if g < 0 or gmap[g] == g:
+                new_reqs.append(r)
+            else:
+                new_reqs.append(_new(Req, (r[0], r[1], r[2], r[3], r[4], gmap[g], r[6], r[7], r[8])))
         new_jobs = []
         for k in keyed:
             job = jobs[k[-1]]
-            g = gmap[job.group]
-            if k[2] == job.req and g == job.group and k[7] is job.shards:
+            g = gmap[job[_J_GROUP]]
+            if k[2] == job[_J_REQ] and g == job[_J_GROUP] and k[7] is job[_J_SHARDS]:
                 new_jobs.append(job)
             else:
-                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
+                new_jobs.append(
+                    _new(
+                        JobRec,
+                        (job[0], job[1], k[2], g, k[4], k[5], k[6], k[7], k[8], job[_J_WORLD], job[_J_EXPIRED]),
+                    )
+                )
         state = _new(
             State,
-            (s.engine, tuple(new_reqs), tuple(new_jobs), s.slots, s.lru, tuple(tier[c] for c in torder), *s[6:]),
+            (
+                s[0],
+                tuple(new_reqs),
+                tuple(new_jobs),
+                s[3],
+                s[4],
+                tuple([tier[c] for c in torder]),
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
         )
-        return Canonical(state, rorder, jorder, gmap, torder, wperm)
+        return _new(Canonical, (state, rorder, jorder, gmap, torder, wperm))
+
+
+def _order(keys: list[Any]) -> list[int]:
+    """The positions of ``keys`` in the order of their values, ties keeping their order: what
+    ``sorted(range(len(keys)), key=keys.__getitem__)`` returns, with the two-element case (the most
+    common one: two workers, two jobs) answered by one comparison."""
+    if len(keys) == 2:
+        return [1, 0] if keys[1] < keys[0] else [0, 1]
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def _is_identity(order: Iterable[int]) -> bool:
+    """Whether ``order`` is 0, 1, 2, ... (a list of positions, or a dict's keys in insertion order)."""
+    return all(k == n for n, k in enumerate(order))
 
 
 class Canonical(NamedTuple):
@@ -1925,9 +2030,13 @@ class Canonical(NamedTuple):
     workers: list[int]  #: new rank -> old rank
 
 
-_FREE_GROUP = 1 << 20
-_new = tuple.__new__
-_MISSING: Any = object()
+_FREE_GROUP: Final = 1 << 20
+# The events that Model._memo memoizes.
+_STEP: Final = 0
+_RESET: Final = 1
+_SHUTDOWN: Final = 2
+_new: Final = tuple.__new__
+_MISSING: Final[Any] = object()
 
 
 def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
@@ -1935,17 +2044,47 @@ def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | Mo
     counter (:data:`_COUNTER_FIELDS`) shifted by as much."""
     if type(r) is not State or was is s:
         return r
-    out: list[Any] | None = None
-    for i, now, then in zip(_COUNTERS, _counters(s), _counters(was), strict=True):
-        d = now - then
-        if d:
-            if out is None:
-                out = list(r)
-            out[i] += d
-    return r if out is None else _new(State, out)
+    arrivals = s[_S_ARRIVALS] - was[_S_ARRIVALS]
+    resets = s[_S_RESETS] - was[_S_RESETS]
+    preemptions = s[_S_PREEMPTIONS] - was[_S_PREEMPTIONS]
+    expiries = s[_S_EXPIRIES] - was[_S_EXPIRIES]
+    if not (arrivals or resets or preemptions or expiries):
+        return r
+    return _with_counters(
+        r,
+        r[_S_ARRIVALS] + arrivals,
+        r[_S_RESETS] + resets,
+        r[_S_PREEMPTIONS] + preemptions,
+        r[_S_EXPIRIES] + expiries,
+    )
 
 
-_TERMINAL_SKIP = (
+def _with_counters(s: State, arrivals: int, resets: int, preemptions: int, expiries: int) -> State:
+    """``s`` with these counters (:data:`_COUNTER_FIELDS`), the rest of it as it is: one tuple, built whole."""
+    return _new(
+        State,
+        (
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            s[5],
+            s[6],
+            s[7],
+            arrivals,
+            resets,
+            preemptions,
+            s[11],
+            s[12],
+            s[13],
+            expiries,
+            s[15],
+        ),
+    )
+
+
+_TERMINAL_SKIP: Final = (
     JobState.COMPLETE,
     JobState.FAILED,
     JobState.CANCELLED,
