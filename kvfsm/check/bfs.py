@@ -245,15 +245,13 @@ def _explore(
 ) -> ExplorationResult:
     model = model if model is not None else Model(bounds, drain)
     model.forget()  # nothing carried over from an earlier exploration with the same model
-    responsiveness = model.responsiveness
     bounds = model.bounds
-    canonical: Callable[[State], State] = model.canonical if symmetry else _identity
-    successors = model.successors
-    invariants = model.invariants
+    # The model's methods are called on it directly (no bound-method locals): the compiled build then makes
+    # native calls, without boxing their arguments.
     start = time.perf_counter()
     cpu_start = time.process_time()
 
-    init = canonical(model.initial)
+    init = model.canonical(model.initial) if symmetry else model.initial
     ids: dict[State, int] = {init: 0}
     states: list[State] = [init]
     parent = array("i", [-1])
@@ -311,7 +309,7 @@ def _explore(
             memos_trimmed,
         )
 
-    for name, detail in invariants(init):
+    for name, detail in model.invariants(init):
         if record(name, detail, 0, None):
             return finish(False, False)
 
@@ -322,7 +320,9 @@ def _explore(
     i = 0
     while i < len(states):
         s = states[i]
-        for label, nxt in successors(s):
+        # An arrival from this state is checked for responsiveness (decided once, not on every edge).
+        draining = s.blocked or s.engine in _DRAINING
+        for label, nxt in model.successors(s):
             if nxt is None:
                 pruned += 1
                 continue
@@ -335,7 +335,7 @@ def _explore(
             sid = ids.get(nxt)
             new = False
             if sid is None:
-                c = canonical(nxt)
+                c = model.canonical(nxt) if symmetry else nxt
                 n = len(states)
                 sid = ids.setdefault(c, n)
                 new = sid == n
@@ -343,13 +343,13 @@ def _explore(
                 states.append(c)
                 parent.append(i)
                 parent_label.append(label_id(label))
-                for name, detail in invariants(c):
+                for name, detail in model.invariants(c):
                     if record(name, detail, sid, None):
                         edges += 1
                         return finish(False, False)
-            if label[0] == "arrive" and (s.blocked or s.engine in _DRAINING):
+            if draining and label[0] == "arrive":
                 arrivals_checked += 1
-                late = responsiveness(nxt, len(nxt.reqs) - 1)
+                late = model.responsiveness(nxt, len(nxt.reqs) - 1)
                 # Reported in the state after the arrival when this edge discovered it (so the trace shows
                 # it), else on the edge itself.
                 if late is not None and record(RESPONSIVENESS, late, sid if new else i, None if new else label):
@@ -394,10 +394,6 @@ def graph_digest(graph: Graph) -> str:
     digest.update(graph.label.tobytes())
     digest.update(repr(graph.labels).encode())
     return digest.hexdigest()[:16]
-
-
-def _identity(s: State) -> State:
-    return s
 
 
 def _is_goal(s: State) -> bool:

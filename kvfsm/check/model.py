@@ -50,7 +50,7 @@ import functools
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
@@ -97,6 +97,61 @@ __all__ = [
     "TierRec",
 ]
 
+# The spec enums' members used on the hot paths, as Final names: the compiled build keeps each in a C static,
+# where ``JobState.STALE`` would be a module-global lookup and a class-attribute lookup on every use (EV: an
+# event, FX: an effect).
+_JOB_CANCELLED: Final = JobState.CANCELLED
+_JOB_COMPLETE: Final = JobState.COMPLETE
+_JOB_FAILED: Final = JobState.FAILED
+_JOB_IN_FLIGHT: Final = JobState.IN_FLIGHT
+_JOB_STALE: Final = JobState.STALE
+_JOB_SUBMITTED: Final = JobState.SUBMITTED
+_JOB_TIMED_OUT: Final = JobState.TIMED_OUT
+_REQ_DEFERRED: Final = RequestState.DEFERRED
+_REQ_DELETED: Final = RequestState.DELETED
+_REQ_FINISHED_SIGNALLED: Final = RequestState.FINISHED_SIGNALLED
+_REQ_FINISHED_UNSIGNALLED: Final = RequestState.FINISHED_UNSIGNALLED
+_REQ_LOADING: Final = RequestState.LOADING
+_REQ_PREEMPTED: Final = RequestState.PREEMPTED
+_REQ_RUNNING: Final = RequestState.RUNNING
+_REQ_TRACKED: Final = RequestState.TRACKED
+_ENGINE_IDLE: Final = EngineState.IDLE
+_ENGINE_SHUTTING_DOWN: Final = EngineState.SHUTTING_DOWN
+_ENGINE_STOPPED: Final = EngineState.STOPPED
+_SLOT_ABSENT: Final = SlotState.ABSENT
+_SLOT_READING: Final = SlotState.READING
+_SLOT_READY: Final = SlotState.READY
+_SLOT_WRITING: Final = SlotState.WRITING
+_JOB_EV_ACK: Final = JobEvent.ACK
+_JOB_EV_CANCEL: Final = JobEvent.CANCEL
+_JOB_EV_DISCARD: Final = JobEvent.DISCARD
+_JOB_EV_FAIL: Final = JobEvent.FAIL
+_JOB_EV_LAUNCH: Final = JobEvent.LAUNCH
+_JOB_EV_TIME_OUT: Final = JobEvent.TIME_OUT
+_REQ_EV_DEFER: Final = RequestEvent.DEFER
+_REQ_EV_DELETE: Final = RequestEvent.DELETE
+_REQ_EV_FINISH: Final = RequestEvent.FINISH
+_REQ_EV_LOAD_DONE: Final = RequestEvent.LOAD_DONE
+_REQ_EV_PREEMPT: Final = RequestEvent.PREEMPT
+_REQ_EV_RESET: Final = RequestEvent.RESET
+_REQ_EV_SCHEDULE: Final = RequestEvent.SCHEDULE
+_REQ_EV_SIGNAL: Final = RequestEvent.SIGNAL
+_REQ_EV_START_LOAD: Final = RequestEvent.START_LOAD
+_ENGINE_EV_ADMIT: Final = EngineEvent.ADMIT
+_ENGINE_EV_SETTLE: Final = EngineEvent.SETTLE
+_ENGINE_EV_SHUTDOWN: Final = EngineEvent.SHUTDOWN
+_ENGINE_EV_STOP: Final = EngineEvent.STOP
+_SLOT_EV_ABORT_WRITE: Final = SlotEvent.ABORT_WRITE
+_SLOT_EV_BEGIN_READ: Final = SlotEvent.BEGIN_READ
+_SLOT_EV_BEGIN_WRITE: Final = SlotEvent.BEGIN_WRITE
+_SLOT_EV_COMMIT_WRITE: Final = SlotEvent.COMMIT_WRITE
+_SLOT_EV_END_READ: Final = SlotEvent.END_READ
+_SLOT_EV_EVICT: Final = SlotEvent.EVICT
+_SLOT_EV_RESET: Final = SlotEvent.RESET
+_JOB_FX_COMMIT: Final = JobEffect.COMMIT
+_JOB_FX_START_COPY: Final = JobEffect.START_COPY
+_ENGINE_FX_FLUSH_ALL: Final = EngineEffect.FLUSH_ALL
+
 #: Tokens per GPU block in the model (one block per chunk). A prompt has ``2 * chunks + 1`` tokens: the
 #: last token is always recomputed, so every chunk of a prompt can be loaded.
 TOKENS_PER_BLOCK: Final = 2
@@ -135,9 +190,9 @@ ABSENT: Final = -2
 WRITING: Final = -1
 READY: Final = 0
 
-_LIVE: Final = (JobState.SUBMITTED, JobState.IN_FLIGHT)
-_WAITING_PHASES: Final = (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED)
-_FINISHED_PHASES: Final = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED)
+_LIVE: Final = (_JOB_SUBMITTED, _JOB_IN_FLIGHT)
+_WAITING_PHASES: Final = (_REQ_TRACKED, _REQ_DEFERRED, _REQ_PREEMPTED)
+_FINISHED_PHASES: Final = (_REQ_FINISHED_UNSIGNALLED, _REQ_FINISHED_SIGNALLED, _REQ_DELETED)
 
 #: An event of the model, e.g. ``("copy", 1, 0, True)``: kind first, then indices into the source state.
 Label = tuple[Any, ...]
@@ -357,16 +412,16 @@ class _EngineScratch:
 
 def slot_state(code: int) -> SlotState:
     if code == ABSENT:
-        return SlotState.ABSENT
+        return _SLOT_ABSENT
     if code == WRITING:
-        return SlotState.WRITING
-    return SlotState.READY if code == READY else SlotState.READING
+        return _SLOT_WRITING
+    return _SLOT_READY if code == READY else _SLOT_READING
 
 
 def _slot_code(state: SlotState, readers: int) -> int:
-    if state is SlotState.ABSENT:
+    if state is _SLOT_ABSENT:
         return ABSENT
-    if state is SlotState.WRITING:
+    if state is _SLOT_WRITING:
         return WRITING
     return readers
 
@@ -550,7 +605,7 @@ class Model:
         self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
         self.initial = State(
-            EngineState.IDLE,
+            _ENGINE_IDLE,
             (),
             (),
             (ABSENT,) * b.num_keys,
@@ -628,11 +683,11 @@ class Model:
             try:
                 self._slot.fire(scratch, event)
                 readers = scratch.readers
-                if event is SlotEvent.BEGIN_READ:
+                if event is _SLOT_EV_BEGIN_READ:
                     readers += 1
-                elif event is SlotEvent.END_READ:
+                elif event is _SLOT_EV_END_READ:
                     readers -= 1
-                elif scratch.state is not SlotState.READING:
+                elif scratch.state is not _SLOT_READING:
                     readers = 0
                 r = _slot_code(scratch.state, readers)
             except InvalidTransition as exc:
@@ -703,7 +758,7 @@ class Model:
     def quarantine_pending(self, jobs: Sequence[Any]) -> bool:
         """The scheduler's quarantine term: a timed-out job whose launched copies have not all reported."""
         return any(
-            j[_J_STATE] is JobState.TIMED_OUT and not j[_J_IGNORED] and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
+            j[_J_STATE] is _JOB_TIMED_OUT and not j[_J_IGNORED] and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
             for j in jobs
         )
 
@@ -751,12 +806,12 @@ class Model:
         non-stale job with a shard not yet launched, copying, or finished but not reported, or a cascade
         whose tier I/O or sync is not over. None when nothing remains."""
         for job in s.jobs:
-            if job.state is not JobState.STALE and not job.ignored:
+            if job.state is not _JOB_STALE and not job.ignored:
                 # An awaited job still has to launch; a terminal one (timed out) only has its launched copies.
                 unfinished = _UNFINISHED_SHARDS if job.state in _LIVE else _UNREPORTED_COPIES
                 for rank, sh in enumerate(job.shards):
                     if sh in unfinished:
-                        what = "timed-out " if job.state is JobState.TIMED_OUT else ""
+                        what = "timed-out " if job.state is _JOB_TIMED_OUT else ""
                         return f"rank {rank}'s shard of a {what}{KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
         for rec in s.tier:
             if not (rec.promote and rec.status == UNLAUNCHED):  # a queued promotion is a reservation
@@ -842,9 +897,9 @@ class Model:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
                     out.append((("expire", j), self._expire(s, j)))
-        if s.engine is EngineState.STOPPED:
+        if s.engine is _ENGINE_STOPPED:
             return out  # the process has stopped: nothing else happens
-        if s.engine is EngineState.SHUTTING_DOWN:
+        if s.engine is _ENGINE_SHUTTING_DOWN:
             # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
             if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
                 out.append((("step",), self._guard(self._step, s, -1)))
@@ -868,11 +923,11 @@ class Model:
         for i, r in enumerate(s.reqs):
             if r.eng == E_WAIT and (has_clean or free_dirty):
                 out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
-        if s.engine is EngineState.IDLE and batch_open:
+        if s.engine is _ENGINE_IDLE and batch_open:
             return out
         # What the memo keys of this state's steps and reset hold (see _memo), built once for all of them.
         polls_first = _without_counters_or_poll(s) if b.tiers else _without_counters(s)
-        if s.engine is not EngineState.IDLE:
+        if s.engine is not _ENGINE_IDLE:
             out.append((("step",), self._memo(_STEP, s, -1, polls_first)))
         if not batch_open:
             for i, r in enumerate(s.reqs):
@@ -929,7 +984,27 @@ class Model:
             self._memo_finishes[key] = (r.reqs, r.jobs) if isinstance(r, State) else r
             return r
         if isinstance(hit, tuple):
-            return _new(State, (s[0], hit[0], hit[1], *s[3:]))
+            return _new(
+                State,
+                (
+                    s[0],
+                    hit[0],
+                    hit[1],
+                    s[3],
+                    s[4],
+                    s[5],
+                    s[6],
+                    s[7],
+                    s[8],
+                    s[9],
+                    s[10],
+                    s[11],
+                    s[12],
+                    s[13],
+                    s[14],
+                    s[15],
+                ),
+            )
         return hit if isinstance(hit, ModelViolation) else None
 
     def _memo_lookup(
@@ -966,8 +1041,32 @@ class Model:
         job = jobs[j]
         shards = job.shards
         value = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
-        new_job = _new(JobRec, (*job[:_J_SHARDS], (*shards[:w], value, *shards[w + 1 :]), *job[_J_SHARDS + 1 :]))
-        return _new(State, (s[0], s[1], (*jobs[:j], new_job, *jobs[j + 1 :]), *s[3:]))
+        # Every field written out (no slices): the compiled build then builds each tuple at once.
+        new_job = _new(
+            JobRec,
+            (job[0], job[1], job[2], job[3], job[4], job[5], job[6], _with(shards, w, value), job[8], job[9], job[10]),
+        )
+        return _new(
+            State,
+            (
+                s[0],
+                s[1],
+                _with(jobs, j, new_job),
+                s[3],
+                s[4],
+                s[5],
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
+        )
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
         """The tier's I/O for cascade ``c`` ends (ok or failed)."""
@@ -985,7 +1084,27 @@ class Model:
             for key in rec.keys:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
-        return _new(State, (*s[:5], tuple(tier), *s[6:]))
+        return _new(
+            State,
+            (
+                s[0],
+                s[1],
+                s[2],
+                s[3],
+                s[4],
+                tuple(tier),
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
+        )
 
     def _expire(self, s: State, j: int) -> State:
         """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
@@ -1000,14 +1119,14 @@ class Model:
         job = w.jobs[j]
         shards = job[_J_SHARDS]
         job[_J_STATE] = self.job_event(
-            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), JobEvent.TIME_OUT, 0
+            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), _JOB_EV_TIME_OUT, 0
         )[0]
         i = job[_J_REQ]
         job[_J_REQ] = -1
         if _UNREPORTED_COPIES.isdisjoint(shards):
             self._release(w, job)
-        if i >= 0 and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
-            self._fire_req(w, i, RequestEvent.DELETE)
+        if i >= 0 and w.reqs[i][_R_PHASE] is _REQ_FINISHED_SIGNALLED and not _awaits(w.jobs, i):
+            self._fire_req(w, i, _REQ_EV_DELETE)
 
     def _release(self, w: _World, job: list[Any]) -> None:
         """The RELEASE effect's memory part: a store's slots are freed, a load's unpinned."""
@@ -1023,12 +1142,12 @@ class Model:
         w = _World(s)
         for i, r in enumerate(w.reqs):
             if r[_R_ENG] != E_DONE and r[_R_PHASE] not in _FINISHED_PHASES:
-                self._fire_req(w, i, RequestEvent.FINISH)
+                self._fire_req(w, i, _REQ_EV_FINISH)
                 r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
                 if r[_R_ENG] in (E_RUN, E_WAIT):
                     r[_R_ENG] = E_DONE
                     r[_R_POS] = -1
-        w.engine = self.engine_event(w.engine, EngineEvent.SHUTDOWN, False)
+        w.engine = self.engine_event(w.engine, _ENGINE_EV_SHUTDOWN, False)
         return self._compact(w)
 
     def _give_up(self, s: State, _: int) -> State:
@@ -1040,7 +1159,7 @@ class Model:
                 continue
             shards = job[_J_SHARDS]
             if _mask(shards) == 0:
-                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, JobEvent.CANCEL, 0)
+                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, _JOB_EV_CANCEL, 0)
                 job[_J_STATE] = state
                 self._job_finished(w, j, effect)
             else:
@@ -1053,12 +1172,10 @@ class Model:
         """stop [no_pending_push_work], then release_quarantine and the tiers' shutdown: nothing can use
         the memory any more, so every quarantined slot and every abandoned transfer's pin is handed back."""
         w = _World(s)
-        w.engine = self.engine_event(
-            w.engine, EngineEvent.STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned)
-        )
+        w.engine = self.engine_event(w.engine, _ENGINE_EV_STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned))
         for job in w.jobs:
             if (
-                job[_J_STATE] is JobState.TIMED_OUT
+                job[_J_STATE] is _JOB_TIMED_OUT
                 and not job[_J_IGNORED]
                 and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
@@ -1070,7 +1187,7 @@ class Model:
             for key in t[_T_KEYS]:
                 if t[_T_PROMOTE]:
                     if w.slots[key] == WRITING:
-                        w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                        w.slots[key] = self.slot_event(WRITING, _SLOT_EV_ABORT_WRITE)
                     # TieringManager.shutdown's poll: a promotion that did not succeed (failed, or cancelled
                     # by the tier's shutdown) is released with invalidate=True.
                     if w.held and not t[_T_HARVESTED] and t[_T_STATUS] in (COPYING, DONE_FAIL):
@@ -1094,8 +1211,8 @@ class Model:
 
     def _arrive(self, s: State, prompt: int) -> State:
         # A blocked engine does not read its input queue: the request waits there, not admitted yet.
-        engine = s.engine if s.blocked else self.engine_event(s.engine, EngineEvent.ADMIT, False)
-        req = Req(RequestState.TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
+        engine = s.engine if s.blocked else self.engine_event(s.engine, _ENGINE_EV_ADMIT, False)
+        req = Req(_REQ_TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
         return s._replace(engine=engine, reqs=(*s.reqs, req), arrivals=s.arrivals + 1)
 
     # -- lookup: get_num_new_matched_tokens + update_state_after_alloc
@@ -1121,7 +1238,7 @@ class Model:
         r = w.reqs[i]
         has_jobs = _awaits(w.jobs, i)
         if has_jobs:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, has_jobs)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, has_jobs)[0]
             return None
         self._maybe_poll(w)
         being_loaded = {k for j in w.jobs if j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for k in j[_J_KEYS]}
@@ -1145,7 +1262,7 @@ class Model:
                 break
             hits += 1
         if must_wait:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, False)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, False)[0]
             return None
         return hits
 
@@ -1159,18 +1276,18 @@ class Model:
         r[_R_GROUP] = g
         r[_R_ALLOC] = True
         if hits == 0:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.SCHEDULE, False)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_SCHEDULE, False)[0]
             r[_R_ENG] = E_RUN
             r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_RUN and x is not r)
             return w.freeze()
         keys = self.prompt_keys[r[_R_PROMPT]][:hits]
-        self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)  # can_fire, before prepare_load
+        self.req_event(r[_R_PHASE], _REQ_EV_START_LOAD, False)  # can_fire, before prepare_load
         self._maybe_poll(w)
         for key in keys:
             self._begin_read(w, key)
-        r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)[0]
+        r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_START_LOAD, False)[0]
         self._count_job(w)
-        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
+        w.jobs.append([LOAD, keys, i, g, _JOB_SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
         r[_R_NEXT] = hits
         r[_R_ENG] = E_LOAD
         r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
@@ -1191,7 +1308,7 @@ class Model:
                 "readable_only_after_commit", f"prepare_read of key {key} whose slot is {slot_state(code).value}"
             )
         was = self.evictable(code)
-        code = self.slot_event(code, SlotEvent.BEGIN_READ)
+        code = self.slot_event(code, _SLOT_EV_BEGIN_READ)
         w.slots[key] = code
         if was and not self.evictable(code):
             w.lru.remove(key)
@@ -1199,7 +1316,7 @@ class Model:
     def _end_read(self, w: _World, key: int) -> None:
         code = w.slots[key]
         was = self.evictable(code)
-        code = self.slot_event(code, SlotEvent.END_READ)
+        code = self.slot_event(code, _SLOT_EV_END_READ)
         w.slots[key] = code
         if not was and self.evictable(code):
             w.lru.append(key)
@@ -1232,10 +1349,10 @@ class Model:
                 ok = t[_T_STATUS] != DONE_FAIL
                 for key in t[_T_KEYS]:
                     if ok:
-                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.COMMIT_WRITE)
+                        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_COMMIT_WRITE)
                         w.lru.append(key)
                     else:
-                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.ABORT_WRITE)
+                        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_ABORT_WRITE)
                         w.held[t[_T_TIER]] &= ~(1 << key)
                 continue
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
@@ -1255,8 +1372,8 @@ class Model:
             if not victims:
                 return False
             w.lru.remove(victims[0])
-            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], SlotEvent.EVICT, "evict_only_ready_unreferenced")
-        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], _SLOT_EV_EVICT, "evict_only_ready_unreferenced")
+        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_BEGIN_WRITE)
         return True
 
     def _prepare_store(self, w: _World, keys: Sequence[int]) -> tuple[int, ...] | None:
@@ -1276,9 +1393,9 @@ class Model:
                 return None
             for key in victims:
                 w.lru.remove(key)
-                w.slots[key] = self.slot_event(w.slots[key], SlotEvent.EVICT, "evict_only_ready_unreferenced")
+                w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_EVICT, "evict_only_ready_unreferenced")
         for key in new_keys:
-            w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+            w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_BEGIN_WRITE)
         return tuple(new_keys)
 
     def _complete_store(self, w: _World, keys: Sequence[int], success: bool) -> None:
@@ -1288,12 +1405,12 @@ class Model:
             return
         for key in writing:
             if success:
-                code = self.slot_event(WRITING, SlotEvent.COMMIT_WRITE)
+                code = self.slot_event(WRITING, _SLOT_EV_COMMIT_WRITE)
                 w.slots[key] = code
                 if self.evictable(code):
                     w.lru.append(key)
             else:
-                w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                w.slots[key] = self.slot_event(WRITING, _SLOT_EV_ABORT_WRITE)
         if success and self.bounds.tiers:
             cascade = tuple(writing)
             for t in range(self.bounds.tiers):  # written through to every tier, each cascade pinning the keys
@@ -1357,11 +1474,11 @@ class Model:
         flush: set[int] = set()
         if preempt >= 0:
             flush.update(j for j, job in enumerate(w.jobs) if job[_J_REQ] == preempt and job[_J_STATE] in _LIVE)
-            self._fire_req(w, preempt, RequestEvent.PREEMPT)
+            self._fire_req(w, preempt, _REQ_EV_PREEMPT)
         fences = self._fences(w)
         flush |= self.fenced_jobs(allocated, fences)
         for i, n in scheduled:
-            if reqs[i][_R_PHASE] is RequestState.RUNNING:
+            if reqs[i][_R_PHASE] is _REQ_RUNNING:
                 self._plan_stores(w, i, reqs[i][_R_COMPUTED] + n, allocated, flush)
         finished = [i for i, r in enumerate(reqs) if r[_R_FIN] >= 0]
         if len(finished) > 1:
@@ -1370,11 +1487,11 @@ class Model:
             self._plan_stores(w, i, reqs[i][_R_COMPUTED], allocated, flush)
         for i in finished:
             reqs[i][_R_FIN] = -1
-            self._fire_req(w, i, RequestEvent.SIGNAL)
+            self._fire_req(w, i, _REQ_EV_SIGNAL)
             if not _awaits(w.jobs, i):
-                self._fire_req(w, i, RequestEvent.DELETE)
+                self._fire_req(w, i, _REQ_EV_DELETE)
         if w.reset_flush:
-            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is _JOB_STALE or job[_J_IGNORED])
             w.reset_flush = False
         for r in reqs:
             r[_R_ALLOC] = False
@@ -1407,7 +1524,7 @@ class Model:
             if (
                 job[_J_GROUP] in written
                 and job[_J_REQ] != written[job[_J_GROUP]]
-                and job[_J_STATE] is not JobState.TIMED_OUT
+                and job[_J_STATE] is not _JOB_TIMED_OUT
             ):
                 busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in _BUSY]
                 if busy:
@@ -1431,7 +1548,7 @@ class Model:
         """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
         self._report(w)
         self._finish_loads(w)
-        if w.engine is EngineState.SHUTTING_DOWN:
+        if w.engine is _ENGINE_SHUTTING_DOWN:
             return self._compact(w)  # flush_all's empty step: no settle
         unfinished = False
         for r in w.reqs:
@@ -1439,10 +1556,10 @@ class Model:
                 unfinished = True
                 break
         event = settle_event(w.engine, unfinished)
-        if event is EngineEvent.SETTLE:
+        if event is _ENGINE_EV_SETTLE:
             live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
             pending = self.has_pending_push_work(w.jobs, w.tier)
-            if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
+            if pending and self.settle_effect is _ENGINE_FX_FLUSH_ALL and live:
                 # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
                 # them inside this step; the step resumes (unblock) once every flushed copy has finished.
                 for job in w.jobs:
@@ -1475,7 +1592,7 @@ class Model:
                 f"waiting for {copying} in-flight cop{'y' if copying == 1 else 'ies'}: no lookup and no step "
                 "can run until they finish"
             )
-        if s.engine is EngineState.IDLE:
+        if s.engine is _ENGINE_IDLE:
             return f"request #{i} arrived but the engine is idle and was not admitted"
         nxt = self.apply(s, ("step",))
         if not isinstance(nxt, State):
@@ -1492,9 +1609,9 @@ class Model:
             return
         mask = _mask(job[_J_SHARDS])
         reported = _reported(job[_J_SHARDS])
-        state, effect = self.job_event(job[_J_STATE], reported, job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
+        state, effect = self.job_event(job[_J_STATE], reported, job[_J_FAILED], mask, _JOB_EV_LAUNCH, rank)
         job[_J_STATE] = state
-        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is JobEffect.START_COPY else REPORTED)
+        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is _JOB_FX_START_COPY else REPORTED)
 
     def _fences(self, w: _World) -> dict[int, set[int]]:
         """The fence index by GPU group: uncommitted stores of finished requests."""
@@ -1522,10 +1639,8 @@ class Model:
         g = r[_R_GROUP] if r[_R_GROUP] >= 0 else -1
         if g < 0:
             raise ModelViolation("gpu_source_not_overwritten", f"request {i} plans a store without GPU blocks")
-        w.jobs.append(
-            [STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False]
-        )
-        if r[_R_PHASE] is RequestState.FINISHED_UNSIGNALLED:
+        w.jobs.append([STORE, prepared, i, g, _JOB_SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
+        if r[_R_PHASE] is _REQ_FINISHED_UNSIGNALLED:
             fences = self._fences(w)
             if j in self.fenced_jobs(allocated & {g}, fences):
                 flush.add(j)
@@ -1564,10 +1679,10 @@ class Model:
             if job[_J_IGNORED]:
                 continue
             keys = list(job[_J_KEYS])
-            if job[_J_STATE] is JobState.TIMED_OUT:
+            if job[_J_STATE] is _JOB_TIMED_OUT:
                 continue  # a late report of a quarantined job: absorbed by id
             if job[_J_STATE] not in _LIVE:
-                if job[_J_STATE] is JobState.STALE:
+                if job[_J_STATE] is _JOB_STALE:
                     raise ModelViolation(
                         "stale_ids_ignored",
                         f"a worker reported {KIND_NAMES[job[_J_KIND]]} job (keys {keys}) that reset_cache "
@@ -1583,7 +1698,7 @@ class Model:
                 raise ModelViolation(
                     "complete_exactly_once", f"job (keys {keys}) got {total} reports with {job[_J_PENDING]} pending"
                 )
-        for reports, event in ((failed, JobEvent.FAIL), (completed, JobEvent.ACK)):
+        for reports, event in ((failed, _JOB_EV_FAIL), (completed, _JOB_EV_ACK)):
             for j, ranks in reports.items():
                 job = w.jobs[j]
                 mask = _mask(job[_J_SHARDS])
@@ -1594,13 +1709,13 @@ class Model:
                     job[_J_STATE] = state
                     reported[j] |= 1 << rank
                     job[_J_PENDING] -= 1
-                    if event is JobEvent.FAIL:
+                    if event is _JOB_EV_FAIL:
                         job[_J_FAILED] += 1
                     self._job_finished(w, j, effect)
         for j in dict.fromkeys([*failed, *completed]):
             job = w.jobs[j]
             if (
-                job[_J_STATE] is JobState.TIMED_OUT
+                job[_J_STATE] is _JOB_TIMED_OUT
                 and not job[_J_IGNORED]
                 and _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
@@ -1624,7 +1739,7 @@ class Model:
             return
         job = w.jobs[j]
         i = job[_J_REQ]
-        ok = effect is JobEffect.COMMIT
+        ok = effect is _JOB_FX_COMMIT
         if job[_J_KIND] == STORE:
             self._complete_store(w, job[_J_KEYS], ok)
         else:
@@ -1633,10 +1748,10 @@ class Model:
                 w.reqs[i][_R_COMPUTED] = len(job[_J_KEYS]) * TOKENS_PER_BLOCK
         job[_J_REQ] = -1
         r = w.reqs[i]
-        if job[_J_KIND] == LOAD and r[_R_PHASE] is RequestState.LOADING:
-            self._fire_req(w, i, RequestEvent.LOAD_DONE)
-        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
-            self._fire_req(w, i, RequestEvent.DELETE)
+        if job[_J_KIND] == LOAD and r[_R_PHASE] is _REQ_LOADING:
+            self._fire_req(w, i, _REQ_EV_LOAD_DONE)
+        if r[_R_PHASE] is _REQ_FINISHED_SIGNALLED and not _awaits(w.jobs, i):
+            self._fire_req(w, i, _REQ_EV_DELETE)
 
     def _finish_loads(self, w: _World) -> None:
         """ReferenceEngine._finish_loads: loads no longer awaited hand their request back to the engine."""
@@ -1666,7 +1781,7 @@ class Model:
         if len(keep_jobs) != len(jobs):
             w.jobs = [jobs[n] for n in keep_jobs]
         reqs = w.reqs
-        keep = [i for i, r in enumerate(reqs) if not (r[_R_PHASE] is RequestState.DELETED and r[_R_ENG] == E_DONE)]
+        keep = [i for i, r in enumerate(reqs) if not (r[_R_PHASE] is _REQ_DELETED and r[_R_ENG] == E_DONE)]
         self.last_kept = (keep, keep_jobs)
         if len(keep) != len(reqs):
             remap = {old: new for new, old in enumerate(keep)}
@@ -1683,7 +1798,7 @@ class Model:
     def _finish_request(self, s: State, i: int) -> State:
         w = _World(s)
         r = w.reqs[i]
-        self._fire_req(w, i, RequestEvent.FINISH)
+        self._fire_req(w, i, _REQ_EV_FINISH)
         r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
         if r[_R_ENG] in (E_RUN, E_WAIT):  # the engine frees its blocks; the scheduler still knows them
             r[_R_ENG] = E_DONE
@@ -1704,13 +1819,13 @@ class Model:
             w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
-            if job[_J_STATE] is JobState.TIMED_OUT and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS]):
+            if job[_J_STATE] is _JOB_TIMED_OUT and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS]):
                 job[_J_IGNORED] = ignored  # quarantined: flushed like every other stale job
                 w.reset_flush = True
             if job[_J_STATE] in _LIVE:
                 mask = _mask(job[_J_SHARDS])
                 job[_J_STATE] = self.job_event(
-                    job[_J_STATE], _reported(job[_J_SHARDS]), job[_J_FAILED], mask, JobEvent.DISCARD, 0
+                    job[_J_STATE], _reported(job[_J_SHARDS]), job[_J_FAILED], mask, _JOB_EV_DISCARD, 0
                 )[0]
                 job[_J_REQ] = -1
                 job[_J_IGNORED] = ignored
@@ -1718,15 +1833,15 @@ class Model:
         for i, r in enumerate(w.reqs):
             r[_R_NEXT] = 0
             if r[_R_PHASE] in (
-                RequestState.FINISHED_UNSIGNALLED,
-                RequestState.FINISHED_SIGNALLED,
-                RequestState.LOADING,
+                _REQ_FINISHED_UNSIGNALLED,
+                _REQ_FINISHED_SIGNALLED,
+                _REQ_LOADING,
             ):
-                self._fire_req(w, i, RequestEvent.RESET)
+                self._fire_req(w, i, _REQ_EV_RESET)
             r[_R_FIN] = -1
         for key, code in enumerate(w.slots):
             if code != ABSENT:
-                w.slots[key] = self.slot_event(code, SlotEvent.RESET)
+                w.slots[key] = self.slot_event(code, _SLOT_EV_RESET)
         w.lru = []
         if self.bounds.tiers:
             w.polled = False
@@ -1753,13 +1868,13 @@ class Model:
         remains = None if s.abandoned else self.transfer_remains(s)
         if remains is not None and not self.has_pending_push_work(s.jobs, tier, s.abandoned):
             out.append(("pending_work_covers_jobs", f"{remains} but has_pending_push_work() is False"))
-        if s.engine is EngineState.STOPPED:
+        if s.engine is _ENGINE_STOPPED:
             if live:
                 out.append(("idle_only_when_nothing_pending", f"stopped with {len(live)} awaited job(s)"))
             pinned = [k for k, code in enumerate(s.slots) if code not in (ABSENT, READY)]
             if pinned or tier:
                 out.append(("idle_only_when_nothing_pending", f"stopped with keys {pinned} pinned or reserved"))
-        if s.engine is EngineState.IDLE:
+        if s.engine is _ENGINE_IDLE:
             if remains is not None:
                 out.append(("idle_only_when_nothing_pending", f"the engine is idle while {remains}"))
             elif any(sh in _UNREPORTED_COPIES for j in s.jobs for sh in j.shards):
@@ -1769,7 +1884,7 @@ class Model:
         for job in s.jobs:
             busy = not _BUSY.isdisjoint(job.shards)
             copying = COPYING in job.shards or REPORTED_COPYING in job.shards
-            if job.state is JobState.STALE or job.ignored:
+            if job.state is _JOB_STALE or job.ignored:
                 stale_busy = stale_busy or copying
             else:
                 fresh_busy = fresh_busy or copying
@@ -1789,7 +1904,7 @@ class Model:
                                 f"key {key} of an uncommitted store is {slot_state(s.slots[key]).value}",
                             )
                         )
-            elif job.state is not JobState.STALE and busy:
+            elif job.state is not _JOB_STALE and busy:
                 for key in job.keys:
                     if s.slots[key] < 1:
                         out.append(
@@ -1824,7 +1939,7 @@ class Model:
                     readers[key] = readers.get(key, 0) + 1
         if readers:
             for job in s.jobs:
-                if job.kind == LOAD and job.state is not JobState.STALE and not _BUSY.isdisjoint(job.shards):
+                if job.kind == LOAD and job.state is not _JOB_STALE and not _BUSY.isdisjoint(job.shards):
                     for key in job.keys:
                         readers[key] = readers.get(key, 0) + 1
             for key, n in readers.items():
@@ -1859,7 +1974,7 @@ class Model:
             if not 1 <= job.pending <= self.W:
                 out.append(("complete_exactly_once", f"an awaited job has pending={job.pending}"))
         for job in s.jobs:  # a commit is attributed: every one of the W ranks launched and reported first
-            if job.state is JobState.COMPLETE and any(sh != REPORTED for sh in job.shards):
+            if job.state is _JOB_COMPLETE and any(sh != REPORTED for sh in job.shards):
                 shards = ", ".join(f"rank {r} {SHARD_NAMES[sh]}" for r, sh in enumerate(job.shards))
                 out.append(("complete_exactly_once", f"a {KIND_NAMES[job.kind]} job committed with {shards}"))
         return out
@@ -2037,6 +2152,7 @@ _RESET: Final = 1
 _SHUTDOWN: Final = 2
 _new: Final = tuple.__new__
 _MISSING: Final[Any] = object()
+_T = TypeVar("_T")
 
 
 def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
@@ -2085,11 +2201,11 @@ def _with_counters(s: State, arrivals: int, resets: int, preemptions: int, expir
 
 
 _TERMINAL_SKIP: Final = (
-    JobState.COMPLETE,
-    JobState.FAILED,
-    JobState.CANCELLED,
-    JobState.STALE,
-    JobState.TIMED_OUT,
+    _JOB_COMPLETE,
+    _JOB_FAILED,
+    _JOB_CANCELLED,
+    _JOB_STALE,
+    _JOB_TIMED_OUT,
 )
 
 
@@ -2099,14 +2215,21 @@ def _req_sort_key(r: Req) -> tuple[Any, ...]:
 
 def _awaits(jobs: Sequence[Sequence[Any]], i: int) -> bool:
     """Whether the scheduler awaits a job of request ``i`` (a loop: this is asked on every hot path)."""
-    for j in jobs:
-        if j[_J_REQ] == i and (j[_J_STATE] is JobState.SUBMITTED or j[_J_STATE] is JobState.IN_FLIGHT):
+    for j in jobs:  # noqa: SIM110 (a loop, not any() over a generator: no generator object per call)
+        if j[_J_REQ] == i and (j[_J_STATE] is _JOB_SUBMITTED or j[_J_STATE] is _JOB_IN_FLIGHT):
             return True
     return False
 
 
-def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
-    return (*shards[:rank], value, *shards[rank + 1 :])
+def _with(items: tuple[_T, ...], i: int, value: _T) -> tuple[_T, ...]:
+    """``items`` with item ``i`` replaced by ``value`` (the one- and two-item cases, the common ones, without
+    slicing)."""
+    n = len(items)
+    if n == 1:
+        return (value,)
+    if n == 2:
+        return (value, items[1]) if i == 0 else (items[0], value)
+    return (*items[:i], value, *items[i + 1 :])
 
 
 def _renumber(reqs: list[list[Any]], field: int, klass: int) -> None:
