@@ -18,6 +18,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from typing_extensions import override
 
@@ -397,12 +398,23 @@ def graph_digest(graph: Graph) -> str:
 
 
 def _is_goal(s: State) -> bool:
-    if s.engine is EngineState.STOPPED:
+    engine = s.engine
+    if engine is _STOPPED:
         return True
-    return s.engine is EngineState.IDLE and not s.tier and not any(j.state in _LIVE for j in s.jobs)
+    if engine is not _IDLE or s.tier:
+        return False
+    for j in s.jobs:  # noqa: SIM110 (not any() over a generator: this runs once per state)
+        if j.state is _SUBMITTED or j.state is _IN_FLIGHT:
+            return False
+    return True
 
 
 _LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+# Final names for the members _is_goal compares (C statics in the compiled build, no attribute lookups).
+_STOPPED: Final = EngineState.STOPPED
+_IDLE: Final = EngineState.IDLE
+_SUBMITTED: Final = JobState.SUBMITTED
+_IN_FLIGHT: Final = JobState.IN_FLIGHT
 
 
 def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
@@ -413,35 +425,39 @@ def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
     """
     n = len(graph.states)
     progress_label = [lab[0] not in _NOT_PROGRESS for lab in graph.labels]
-    # Reverse adjacency in CSR form.
-    count = array("i", bytes(4 * (n + 1)))
+    # Reverse adjacency in CSR form: the predecessors of d are rev[start[d]:start[d + 1]]. ``start`` is one
+    # list, first of in-degrees, then of the ends of each range, filled backwards into their starts (a list
+    # rather than an array: both builds index a list natively, and it is one int per state).
+    start = [0] * (n + 1)
     for d, lab in zip(graph.dst, graph.label, strict=True):
         if progress_label[lab]:
-            count[d + 1] += 1
+            start[d] += 1
+    total = 0
     for k in range(n):
-        count[k + 1] += count[k]
-    fill = array("i", count)
-    rev = array("i", bytes(4 * max(count[n], 1)))
+        total += start[k]
+        start[k] = total
+    start[n] = total
+    rev = array("i", bytes(4 * max(total, 1)))
     for s, d, lab in zip(graph.src, graph.dst, graph.label, strict=True):
         if progress_label[lab]:
-            rev[fill[d]] = s
-            fill[d] += 1
-    live = bytearray(n)
+            start[d] -= 1
+            rev[start[d]] = s
+    live = [False] * n
     stack = [sid for sid, st in enumerate(graph.states) if _is_goal(st)]
     for sid in stack:
-        live[sid] = 1
+        live[sid] = True
     if pruned:
         # Any state with a pruned successor might reach the goal through it: count it as live.
         for sid, st in enumerate(graph.states):
             if not live[sid] and any(nxt is None for _, nxt in model.successors(st)):
-                live[sid] = 1
+                live[sid] = True
                 stack.append(sid)
     while stack:
         d = stack.pop()
-        for k in range(count[d], count[d + 1]):
+        for k in range(start[d], start[d + 1]):
             s = rev[k]
             if not live[s]:
-                live[s] = 1
+                live[s] = True
                 stack.append(s)
     for sid in range(n):
         if not live[sid]:

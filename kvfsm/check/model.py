@@ -46,7 +46,6 @@ the spec's: non-blocking, or the #42611 blocking baseline, whose ``flush_all`` w
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -470,11 +469,13 @@ class _World:
 
     def __init__(self, s: State) -> None:
         self.engine = s.engine
-        self.reqs: list[list[Any]] = list(map(list, s.reqs))
-        self.jobs: list[list[Any]] = list(map(list, s.jobs))
+        # Comprehensions rather than map(): the compiled build makes them native loops (map and list would be
+        # looked up among the builtins and called generically).
+        self.reqs: list[list[Any]] = [list(r) for r in s.reqs]
+        self.jobs: list[list[Any]] = [list(j) for j in s.jobs]
         self.slots = list(s.slots)
         self.lru = list(s.lru)
-        self.tier: list[list[Any]] = list(map(list, s.tier))
+        self.tier: list[list[Any]] = [list(t) for t in s.tier]
         self.polled = s.polled
         self.reset_flush = s.reset_flush
         self.arrivals = s.arrivals
@@ -487,16 +488,15 @@ class _World:
         self.abandoned = s.abandoned
 
     def freeze(self) -> State:
-        new = tuple.__new__
-        return new(
+        return _new(
             State,
             (
                 self.engine,
-                tuple(map(_new_req, self.reqs)),
-                tuple(map(_new_job, self.jobs)),
+                tuple([_new(Req, r) for r in self.reqs]),
+                tuple([_new(JobRec, j) for j in self.jobs]),
                 tuple(self.slots),
                 tuple(self.lru),
-                tuple(map(_new_tier, self.tier)),
+                tuple([_new(TierRec, t) for t in self.tier]),
                 self.polled,
                 self.reset_flush,
                 self.arrivals,
@@ -510,11 +510,6 @@ class _World:
             ),
         )
 
-
-# Records from the mutable lists of _World (C-level constructors, without NamedTuple.__new__'s arguments).
-_new_req: Final = functools.partial(tuple.__new__, Req)
-_new_job: Final = functools.partial(tuple.__new__, JobRec)
-_new_tier: Final = functools.partial(tuple.__new__, TierRec)
 
 # Field positions, for the mutable lists of _World.
 _R_PHASE: Final = 0
@@ -879,18 +874,20 @@ class Model:
         out: list[tuple[Label, State | ModelViolation | None]] = []
         batch_open = any(r.alloc for r in s.reqs)
         # Environment: a copy or a cascade finishes (or fails).
-        outcomes = (True, False) if b.failures else (True,)
+        failures = b.failures
         for j, job in enumerate(s.jobs):
             for w, shard in enumerate(job.shards):
                 if shard == COPYING:
-                    for ok in outcomes:
-                        out.append((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
+                    out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
+                    if failures:
+                        out.append((("copy", j, w, False), self._copy_done(s, j, w, False)))
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
                     out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
-                for ok in outcomes:
-                    out.append((("tier", c, ok), self._tier_done(s, c, ok)))
+                out.append((("tier", c, True), self._tier_done(s, c, True)))
+                if failures:
+                    out.append((("tier", c, False), self._tier_done(s, c, False)))
             elif rec.status == SYNCING:
                 out.append((("sync", c), self._sync_done(s, c)))
         if s.expiries < b.deadlines:
@@ -916,13 +913,14 @@ class Model:
             if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
                 out.append((("unblock",), self._guard(self._unblock, s, -1)))
             return out
-        used = self._groups_in_use(s)
-        owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
-        free_dirty = sorted(used - owned)
-        has_clean = len(used) < self.G
-        for i, r in enumerate(s.reqs):
-            if r.eng == E_WAIT and (has_clean or free_dirty):
-                out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+        if any(r.eng == E_WAIT for r in s.reqs):  # (the GPU groups matter only to a lookup)
+            used = self._groups_in_use(s)
+            owned = {r.group for r in s.reqs if r.eng == E_RUN or r.eng == E_LOAD}
+            free_dirty = sorted(used - owned)
+            has_clean = len(used) < self.G
+            for i, r in enumerate(s.reqs):
+                if r.eng == E_WAIT and (has_clean or free_dirty):
+                    out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
         if s.engine is _ENGINE_IDLE and batch_open:
             return out
         # What the memo keys of this state's steps and reset hold (see _memo), built once for all of them.
@@ -933,7 +931,10 @@ class Model:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
                     out.append((("preempt", i), self._memo(_STEP, s, i, polls_first)))
-                if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
+                phase = r.phase
+                if r.eng != E_DONE and not (
+                    phase is _REQ_FINISHED_UNSIGNALLED or phase is _REQ_FINISHED_SIGNALLED or phase is _REQ_DELETED
+                ):  # (not in _FINISHED_PHASES, without comparing enum members by ==)
                     out.append((("finish", i), self._memo_finish(s, i)))
             if s.resets < b.resets:
                 out.append((("reset",), self._memo(_RESET, s, -1, polls_first)))
@@ -1673,8 +1674,11 @@ class Model:
                 failed[j] = bad
             if ok:
                 completed[j] = ok
+        # The reporting jobs, those with a failure first (dict.fromkeys([*failed, *completed]), built once).
+        reporting = list(failed)
+        reporting += [j for j in completed if j not in failed]
         # Validate everything first (update_connector_output raises before it changes anything).
-        for j in dict.fromkeys([*failed, *completed]):
+        for j in reporting:
             job = w.jobs[j]
             if job[_J_IGNORED]:
                 continue
@@ -1712,7 +1716,7 @@ class Model:
                     if event is _JOB_EV_FAIL:
                         job[_J_FAILED] += 1
                     self._job_finished(w, j, effect)
-        for j in dict.fromkeys([*failed, *completed]):
+        for j in reporting:
             job = w.jobs[j]
             if (
                 job[_J_STATE] is _JOB_TIMED_OUT
@@ -2150,6 +2154,8 @@ _FREE_GROUP: Final = 1 << 20
 _STEP: Final = 0
 _RESET: Final = 1
 _SHUTDOWN: Final = 2
+#: Builds a record or a State from a tuple or list of its fields, at C level (NamedTuple's own __new__ is a
+#: Python function that takes each field as an argument).
 _new: Final = tuple.__new__
 _MISSING: Final[Any] = object()
 _T = TypeVar("_T")
