@@ -54,20 +54,20 @@ __all__ = [
 ]
 
 #: The names under which the spec's temporal properties (spec/invariants.toml ``[[property]]``) are reported.
-LIVENESS = "liveness"
-RESPONSIVENESS = "responsiveness"
+LIVENESS: Final = "liveness"
+RESPONSIVENESS: Final = "responsiveness"
 
 #: Engine states in which an arriving request arrives "while the engine drains" (responsiveness).
-_DRAINING = frozenset({EngineState.FINISHING, EngineState.DRAINING})
+_DRAINING: Final = frozenset({EngineState.FINISHING, EngineState.DRAINING})
 
 #: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
-_NOT_PROGRESS = frozenset({"arrive", "reset", "shutdown"})
+_NOT_PROGRESS: Final = frozenset({"arrive", "reset", "shutdown"})
 
 #: The default bound on the model's memos, in results held (Model.trim_memos). The default bounds hold
 #: about 190,000; each result costs about 750 bytes, so this caps them near 1.5 GB.
-MEMO_LIMIT = 2_000_000
+MEMO_LIMIT: Final = 2_000_000
 #: How often (in states expanded) the exploration looks at the memos' size.
-_TRIM_EVERY = 4096
+_TRIM_EVERY: Final = 4096
 
 #: Called every so often with (states, edges, queue length, seconds).
 ProgressCallback = Callable[[int, int, int, float], None]
@@ -409,7 +409,7 @@ def _is_goal(s: State) -> bool:
     return True
 
 
-_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+_LIVE: Final = (JobState.SUBMITTED, JobState.IN_FLIGHT)
 # Final names for the members _is_goal compares (C statics in the compiled build, no attribute lookups).
 _STOPPED: Final = EngineState.STOPPED
 _IDLE: Final = EngineState.IDLE
