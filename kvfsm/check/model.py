@@ -590,7 +590,8 @@ class Model:
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
-        self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
+        #: (event, arg, rest) -> [its result, the state it was computed on] (a list: see _memo)
+        self._memo_events: dict[tuple[Any, ...], list[Any]] = {}
         self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
         self._memo_canonical: dict[tuple[Any, ...], State] = {}
         self._memo_finishes: dict[
@@ -958,22 +959,28 @@ class Model:
         computed once per state by successors(), for all of its events. The event is a number, not a bound
         method: the compiled build then calls the method directly and builds no method object per call."""
         key = (event, arg, rest)
-        hit = self._memo_events.get(key)
-        if hit is None:
-            try:
-                if event == _STEP:
-                    r: State | ModelViolation | None = self._step(s, arg)
-                elif event == _RESET:
-                    r = self._reset(s, arg)
-                else:
-                    r = self._shutdown(s, arg)
-            except ModelViolation as exc:
-                r = exc.with_traceback(None)  # as in _guard
-            except _Pruned:
-                r = None
-            self._memo_events[key] = (r, s)
-            return r
-        return _shift(hit[0], hit[1], s)
+        # One hash of the key, hit or miss: setdefault looks it up and, on a miss, inserts this entry at
+        # once, which is then filled in (where get and then a store would hash the key twice).
+        entry: list[Any] = [None, s]
+        hit = self._memo_events.setdefault(key, entry)
+        if hit is not entry:
+            return _shift(hit[0], hit[1], s)
+        try:
+            if event == _STEP:
+                r: State | ModelViolation | None = self._step(s, arg)
+            elif event == _RESET:
+                r = self._reset(s, arg)
+            else:
+                r = self._shutdown(s, arg)
+        except ModelViolation as exc:
+            r = exc.with_traceback(None)  # as in _guard
+        except _Pruned:
+            r = None
+        except BaseException:
+            del self._memo_events[key]  # no unfilled entry stays behind
+            raise
+        entry[0] = r
+        return r
 
     def _memo_finish(self, s: State, i: int) -> State | ModelViolation | None:
         """_finish_request through _guard, memoized on what it reads: the requests and the jobs (the request
@@ -1857,9 +1864,15 @@ class Model:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
         # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
         key = _without_counters(s)
-        out = self._memo_invariants.get(key)
-        if out is None:
-            out = self._memo_invariants[key] = self._invariants(s)
+        # One hash of the key, hit or miss (as in _memo): on a miss, ``fresh`` is inserted and filled in.
+        fresh: list[tuple[str, str]] = []
+        out = self._memo_invariants.setdefault(key, fresh)
+        if out is fresh:
+            try:
+                fresh += self._invariants(s)
+            except BaseException:
+                del self._memo_invariants[key]
+                raise
         return list(out)
 
     def _invariants(self, s: State) -> list[tuple[str, str]]:
