@@ -489,14 +489,14 @@ class _World:
 
     def freeze(self) -> State:
         return _new(
-            State,
+            _STATE_CLASS,
             (
                 self.engine,
-                tuple([_new(Req, r) for r in self.reqs]),
-                tuple([_new(JobRec, j) for j in self.jobs]),
+                tuple([_new(_REQ_CLASS, r) for r in self.reqs]),
+                tuple([_new(_JOB_CLASS, j) for j in self.jobs]),
                 tuple(self.slots),
                 tuple(self.lru),
-                tuple([_new(TierRec, t) for t in self.tier]),
+                tuple([_new(_TIER_CLASS, t) for t in self.tier]),
                 self.polled,
                 self.reset_flush,
                 self.arrivals,
@@ -739,7 +739,7 @@ class Model:
         """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
         has_pending_work(): what the engine is told, computed from the bookkeeping. After a shutdown gave
         up (``abandoned``), neither the quarantine nor the manager's transfers count."""
-        live = [j if isinstance(j, JobRec) else _new(JobRec, j) for j in jobs if j[_J_STATE] in _LIVE]
+        live = [j if isinstance(j, JobRec) else _new(_JOB_CLASS, j) for j in jobs if j[_J_STATE] in _LIVE]
         if abandoned:
             return self.pending_push_work(live, lambda: False)
         return self.pending_push_work(live, lambda: self.quarantine_pending(jobs) or self.manager_pending(tier))
@@ -993,7 +993,7 @@ class Model:
             return r
         if isinstance(hit, tuple):
             return _new(
-                State,
+                _STATE_CLASS,
                 (
                     s[0],
                     hit[0],
@@ -1051,11 +1051,11 @@ class Model:
         value = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
         # Every field written out (no slices): the compiled build then builds each tuple at once.
         new_job = _new(
-            JobRec,
+            _JOB_CLASS,
             (job[0], job[1], job[2], job[3], job[4], job[5], job[6], _with(shards, w, value), job[8], job[9], job[10]),
         )
         return _new(
-            State,
+            _STATE_CLASS,
             (
                 s[0],
                 s[1],
@@ -1082,18 +1082,18 @@ class Model:
         rec = tier[c]
         if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
             if ok and self._durable(rec.tier) and not rec.promote:
-                tier[c] = _new(TierRec, (rec[0], SYNCING, *rec[2:]))
+                tier[c] = _new(_TIER_CLASS, (rec[0], SYNCING, *rec[2:]))
             else:
                 del tier[c]
         else:
-            tier[c] = _new(TierRec, (rec[0], DONE_OK if ok else DONE_FAIL, *rec[2:]))
+            tier[c] = _new(_TIER_CLASS, (rec[0], DONE_OK if ok else DONE_FAIL, *rec[2:]))
         if ok and s.held and not rec.promote:  # the tier now holds a copy of the cascaded keys
             held = list(s.held)
             for key in rec.keys:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
         return _new(
-            State,
+            _STATE_CLASS,
             (
                 s[0],
                 s[1],
@@ -2091,7 +2091,7 @@ class Model:
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         # (gmap numbers the groups in the order it met them: it is the identity iff its keys are 0, 1, ...)
         if not swap and _is_identity(rorder) and _is_identity(jorder) and _is_identity(torder) and _is_identity(gmap):
-            return _new(Canonical, (s, rorder, jorder, gmap, torder, wperm))  # s is its own representative
+            return _new(_CANONICAL_CLASS, (s, rorder, jorder, gmap, torder, wperm))  # s is its own representative
         new_reqs = []
         for i in rorder:
             r = reqs[i]
@@ -2099,7 +2099,7 @@ class Model:
             if g < 0 or gmap[g] == g:
                 new_reqs.append(r)
             else:
-                new_reqs.append(_new(Req, (r[0], r[1], r[2], r[3], r[4], gmap[g], r[6], r[7], r[8])))
+                new_reqs.append(_new(_REQ_CLASS, (r[0], r[1], r[2], r[3], r[4], gmap[g], r[6], r[7], r[8])))
         new_jobs = []
         for k in keyed:
             job = jobs[k[-1]]
@@ -2109,12 +2109,12 @@ class Model:
             else:
                 new_jobs.append(
                     _new(
-                        JobRec,
+                        _JOB_CLASS,
                         (job[0], job[1], k[2], g, k[4], k[5], k[6], k[7], k[8], job[_J_WORLD], job[_J_EXPIRED]),
                     )
                 )
         state = _new(
-            State,
+            _STATE_CLASS,
             (
                 s[0],
                 tuple(new_reqs),
@@ -2134,7 +2134,7 @@ class Model:
                 s[15],
             ),
         )
-        return _new(Canonical, (state, rorder, jorder, gmap, torder, wperm))
+        return _new(_CANONICAL_CLASS, (state, rorder, jorder, gmap, torder, wperm))
 
 
 def _order(keys: list[Any]) -> list[int]:
@@ -2170,6 +2170,13 @@ _SHUTDOWN: Final = 2
 #: Builds a record or a State from a tuple or list of its fields, at C level (NamedTuple's own __new__ is a
 #: Python function that takes each field as an argument).
 _new: Final = tuple.__new__
+# The record classes as Final names, for _new: the compiled build keeps them in C statics (a class name would
+# be a module-global lookup on every record built).
+_STATE_CLASS: Final = State
+_REQ_CLASS: Final = Req
+_JOB_CLASS: Final = JobRec
+_TIER_CLASS: Final = TierRec
+_CANONICAL_CLASS: Final = Canonical
 _MISSING: Final[Any] = object()
 _T = TypeVar("_T")
 
@@ -2197,7 +2204,7 @@ def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | Mo
 def _with_counters(s: State, arrivals: int, resets: int, preemptions: int, expiries: int) -> State:
     """``s`` with these counters (:data:`_COUNTER_FIELDS`), the rest of it as it is: one tuple, built whole."""
     return _new(
-        State,
+        _STATE_CLASS,
         (
             s[0],
             s[1],
