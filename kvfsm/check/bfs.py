@@ -18,6 +18,7 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from typing_extensions import override
 
@@ -53,20 +54,20 @@ __all__ = [
 ]
 
 #: The names under which the spec's temporal properties (spec/invariants.toml ``[[property]]``) are reported.
-LIVENESS = "liveness"
-RESPONSIVENESS = "responsiveness"
+LIVENESS: Final = "liveness"
+RESPONSIVENESS: Final = "responsiveness"
 
 #: Engine states in which an arriving request arrives "while the engine drains" (responsiveness).
-_DRAINING = frozenset({EngineState.FINISHING, EngineState.DRAINING})
+_DRAINING: Final = frozenset({EngineState.FINISHING, EngineState.DRAINING})
 
 #: Labels that the liveness check may not rely on: new work and resets are the environment's choice.
-_NOT_PROGRESS = frozenset({"arrive", "reset", "shutdown"})
+_NOT_PROGRESS: Final = frozenset({"arrive", "reset", "shutdown"})
 
 #: The default bound on the model's memos, in results held (Model.trim_memos). The default bounds hold
 #: about 190,000; each result costs about 750 bytes, so this caps them near 1.5 GB.
-MEMO_LIMIT = 2_000_000
+MEMO_LIMIT: Final = 2_000_000
 #: How often (in states expanded) the exploration looks at the memos' size.
-_TRIM_EVERY = 4096
+_TRIM_EVERY: Final = 4096
 
 #: Called every so often with (states, edges, queue length, seconds).
 ProgressCallback = Callable[[int, int, int, float], None]
@@ -245,15 +246,13 @@ def _explore(
 ) -> ExplorationResult:
     model = model if model is not None else Model(bounds, drain)
     model.forget()  # nothing carried over from an earlier exploration with the same model
-    responsiveness = model.responsiveness
     bounds = model.bounds
-    canonical: Callable[[State], State] = model.canonical if symmetry else _identity
-    successors = model.successors
-    invariants = model.invariants
+    # The model's methods are called on it directly (no bound-method locals): the compiled build then makes
+    # native calls, without boxing their arguments.
     start = time.perf_counter()
     cpu_start = time.process_time()
 
-    init = canonical(model.initial)
+    init = model.canonical(model.initial) if symmetry else model.initial
     ids: dict[State, int] = {init: 0}
     states: list[State] = [init]
     parent = array("i", [-1])
@@ -311,14 +310,20 @@ def _explore(
             memos_trimmed,
         )
 
-    for name, detail in invariants(init):
+    for name, detail in model.invariants(init):
         if record(name, detail, 0, None):
             return finish(False, False)
 
+    # Bound once: the compiled build would otherwise look the method up by name on every edge.
+    src_append = src.append
+    dst_append = dst.append
+    label_append = lab_arr.append
     i = 0
     while i < len(states):
         s = states[i]
-        for label, nxt in successors(s):
+        # An arrival from this state is checked for responsiveness (decided once, not on every edge).
+        draining = s.blocked or s.engine in _DRAINING
+        for label, nxt in model.successors(s):
             if nxt is None:
                 pruned += 1
                 continue
@@ -331,7 +336,7 @@ def _explore(
             sid = ids.get(nxt)
             new = False
             if sid is None:
-                c = canonical(nxt)
+                c = model.canonical(nxt) if symmetry else nxt
                 n = len(states)
                 sid = ids.setdefault(c, n)
                 new = sid == n
@@ -339,13 +344,13 @@ def _explore(
                 states.append(c)
                 parent.append(i)
                 parent_label.append(label_id(label))
-                for name, detail in invariants(c):
+                for name, detail in model.invariants(c):
                     if record(name, detail, sid, None):
                         edges += 1
                         return finish(False, False)
-            if label[0] == "arrive" and (s.blocked or s.engine in _DRAINING):
+            if draining and label[0] == "arrive":
                 arrivals_checked += 1
-                late = responsiveness(nxt, len(nxt.reqs) - 1)
+                late = model.responsiveness(nxt, len(nxt.reqs) - 1)
                 # Reported in the state after the arrival when this edge discovered it (so the trace shows
                 # it), else on the edge itself.
                 if late is not None and record(RESPONSIVENESS, late, sid if new else i, None if new else label):
@@ -353,9 +358,12 @@ def _explore(
                     return finish(False, False)
             edges += 1
             if keep_graph:
-                src.append(i)
-                dst.append(sid)
-                lab_arr.append(label_id(label))
+                src_append(i)
+                dst_append(sid)
+                lid = label_ids.get(label)  # label_id(label), inline: this runs on every edge
+                if lid is None:
+                    lid = label_id(label)
+                label_append(lid)
         i += 1
         if progress is not None and i % progress_every == 0:
             progress(len(states), edges, len(states) - i, time.perf_counter() - start)
@@ -389,17 +397,24 @@ def graph_digest(graph: Graph) -> str:
     return digest.hexdigest()[:16]
 
 
-def _identity(s: State) -> State:
-    return s
-
-
 def _is_goal(s: State) -> bool:
-    if s.engine is EngineState.STOPPED:
+    engine = s.engine
+    if engine is _STOPPED:
         return True
-    return s.engine is EngineState.IDLE and not s.tier and not any(j.state in _LIVE for j in s.jobs)
+    if engine is not _IDLE or s.tier:
+        return False
+    for j in s.jobs:  # noqa: SIM110 (not any() over a generator: this runs once per state)
+        if j.state is _SUBMITTED or j.state is _IN_FLIGHT:
+            return False
+    return True
 
 
-_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+_LIVE: Final = (JobState.SUBMITTED, JobState.IN_FLIGHT)
+# Final names for the members _is_goal compares (C statics in the compiled build, no attribute lookups).
+_STOPPED: Final = EngineState.STOPPED
+_IDLE: Final = EngineState.IDLE
+_SUBMITTED: Final = JobState.SUBMITTED
+_IN_FLIGHT: Final = JobState.IN_FLIGHT
 
 
 def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
@@ -410,35 +425,39 @@ def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
     """
     n = len(graph.states)
     progress_label = [lab[0] not in _NOT_PROGRESS for lab in graph.labels]
-    # Reverse adjacency in CSR form.
-    count = array("i", bytes(4 * (n + 1)))
+    # Reverse adjacency in CSR form: the predecessors of d are rev[start[d]:start[d + 1]]. ``start`` is one
+    # list, first of in-degrees, then of the ends of each range, filled backwards into their starts (a list
+    # rather than an array: both builds index a list natively, and it is one int per state).
+    start = [0] * (n + 1)
     for d, lab in zip(graph.dst, graph.label, strict=True):
         if progress_label[lab]:
-            count[d + 1] += 1
+            start[d] += 1
+    total = 0
     for k in range(n):
-        count[k + 1] += count[k]
-    fill = array("i", count)
-    rev = array("i", bytes(4 * max(count[n], 1)))
+        total += start[k]
+        start[k] = total
+    start[n] = total
+    rev = array("i", bytes(4 * max(total, 1)))
     for s, d, lab in zip(graph.src, graph.dst, graph.label, strict=True):
         if progress_label[lab]:
-            rev[fill[d]] = s
-            fill[d] += 1
-    live = bytearray(n)
+            start[d] -= 1
+            rev[start[d]] = s
+    live = [False] * n
     stack = [sid for sid, st in enumerate(graph.states) if _is_goal(st)]
     for sid in stack:
-        live[sid] = 1
+        live[sid] = True
     if pruned:
         # Any state with a pruned successor might reach the goal through it: count it as live.
         for sid, st in enumerate(graph.states):
             if not live[sid] and any(nxt is None for _, nxt in model.successors(st)):
-                live[sid] = 1
+                live[sid] = True
                 stack.append(sid)
     while stack:
         d = stack.pop()
-        for k in range(count[d], count[d + 1]):
+        for k in range(start[d], start[d + 1]):
             s = rev[k]
             if not live[s]:
-                live[s] = 1
+                live[s] = True
                 stack.append(s)
     for sid in range(n):
         if not live[sid]:

@@ -50,11 +50,10 @@ whose ``flush_all`` wait is the ``blocked`` flag.
 
 from __future__ import annotations
 
-import functools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 import kvfsm.control.cpu as cpu_mod
 import kvfsm.control.scheduler as scheduler_mod
@@ -101,37 +100,102 @@ __all__ = [
     "TierRec",
 ]
 
+# The spec enums' members used on the hot paths, as Final names: the compiled build keeps each in a C static,
+# where ``JobState.STALE`` would be a module-global lookup and a class-attribute lookup on every use (EV: an
+# event, FX: an effect).
+_JOB_CANCELLED: Final = JobState.CANCELLED
+_JOB_COMPLETE: Final = JobState.COMPLETE
+_JOB_FAILED: Final = JobState.FAILED
+_JOB_IN_FLIGHT: Final = JobState.IN_FLIGHT
+_JOB_STALE: Final = JobState.STALE
+_JOB_SUBMITTED: Final = JobState.SUBMITTED
+_JOB_TIMED_OUT: Final = JobState.TIMED_OUT
+_REQ_DEFERRED: Final = RequestState.DEFERRED
+_REQ_DELETED: Final = RequestState.DELETED
+_REQ_FINISHED_SIGNALLED: Final = RequestState.FINISHED_SIGNALLED
+_REQ_FINISHED_UNSIGNALLED: Final = RequestState.FINISHED_UNSIGNALLED
+_REQ_LOADING: Final = RequestState.LOADING
+_REQ_PREEMPTED: Final = RequestState.PREEMPTED
+_REQ_RUNNING: Final = RequestState.RUNNING
+_REQ_TRACKED: Final = RequestState.TRACKED
+_ENGINE_IDLE: Final = EngineState.IDLE
+_ENGINE_SHUTTING_DOWN: Final = EngineState.SHUTTING_DOWN
+_ENGINE_STOPPED: Final = EngineState.STOPPED
+_SLOT_ABSENT: Final = SlotState.ABSENT
+_SLOT_READING: Final = SlotState.READING
+_SLOT_READY: Final = SlotState.READY
+_SLOT_WRITING: Final = SlotState.WRITING
+_JOB_EV_ACK: Final = JobEvent.ACK
+_JOB_EV_CANCEL: Final = JobEvent.CANCEL
+_JOB_EV_DISCARD: Final = JobEvent.DISCARD
+_JOB_EV_FAIL: Final = JobEvent.FAIL
+_JOB_EV_LAUNCH: Final = JobEvent.LAUNCH
+_JOB_EV_TIME_OUT: Final = JobEvent.TIME_OUT
+_REQ_EV_DEFER: Final = RequestEvent.DEFER
+_REQ_EV_DELETE: Final = RequestEvent.DELETE
+_REQ_EV_FINISH: Final = RequestEvent.FINISH
+_REQ_EV_LOAD_DONE: Final = RequestEvent.LOAD_DONE
+_REQ_EV_PREEMPT: Final = RequestEvent.PREEMPT
+_REQ_EV_RESET: Final = RequestEvent.RESET
+_REQ_EV_SCHEDULE: Final = RequestEvent.SCHEDULE
+_REQ_EV_SIGNAL: Final = RequestEvent.SIGNAL
+_REQ_EV_START_LOAD: Final = RequestEvent.START_LOAD
+_ENGINE_EV_ADMIT: Final = EngineEvent.ADMIT
+_ENGINE_EV_SETTLE: Final = EngineEvent.SETTLE
+_ENGINE_EV_SHUTDOWN: Final = EngineEvent.SHUTDOWN
+_ENGINE_EV_STOP: Final = EngineEvent.STOP
+_SLOT_EV_ABORT_WRITE: Final = SlotEvent.ABORT_WRITE
+_SLOT_EV_BEGIN_READ: Final = SlotEvent.BEGIN_READ
+_SLOT_EV_BEGIN_WRITE: Final = SlotEvent.BEGIN_WRITE
+_SLOT_EV_COMMIT_WRITE: Final = SlotEvent.COMMIT_WRITE
+_SLOT_EV_END_READ: Final = SlotEvent.END_READ
+_SLOT_EV_EVICT: Final = SlotEvent.EVICT
+_SLOT_EV_RESET: Final = SlotEvent.RESET
+_JOB_FX_COMMIT: Final = JobEffect.COMMIT
+_JOB_FX_START_COPY: Final = JobEffect.START_COPY
+_ENGINE_FX_FLUSH_ALL: Final = EngineEffect.FLUSH_ALL
+
 #: Tokens per GPU block in the model (one block per chunk). A prompt has ``2 * chunks + 1`` tokens: the
 #: last token is always recomputed, so every chunk of a prompt can be loaded.
-TOKENS_PER_BLOCK = 2
+TOKENS_PER_BLOCK: Final = 2
 
 # Engine's view of a request.
-E_WAIT, E_LOAD, E_RUN, E_DONE = 0, 1, 2, 3
-E_NAMES = ("waiting", "loading", "running", "done")
+E_WAIT: Final = 0
+E_LOAD: Final = 1
+E_RUN: Final = 2
+E_DONE: Final = 3
+E_NAMES: Final = ("waiting", "loading", "running", "done")
 # Job kinds.
-STORE, LOAD = 0, 1
-KIND_NAMES = ("store", "load")
+STORE: Final = 0
+LOAD: Final = 1
+KIND_NAMES: Final = ("store", "load")
 # A worker's shard of a job.
-UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED = 0, 1, 2, 3, 4
+UNLAUNCHED: Final = 0
+COPYING: Final = 1
+DONE_OK: Final = 2
+DONE_FAIL: Final = 3
+REPORTED: Final = 4
 #: A shard its backend reported finished while its copy still runs (only a lying backend does that): the
 #: model's ground truth keeps the copy running until it really ends.
-REPORTED_COPYING = 5
+REPORTED_COPYING: Final = 5
 #: A cascade to a durable tier whose write was reported, while its fsync, directory sync and index
 #: persistence still run in the background (the tier's own has_pending_work()).
-SYNCING = 6
-SHARD_NAMES = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
+SYNCING: Final = 6
+SHARD_NAMES: Final = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
 #: Shard states in which a copy still runs or has not been reported: a transfer remains (ground truth).
-_UNFINISHED_SHARDS = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+_UNFINISHED_SHARDS: Final = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 #: Shard states in which a copy has not started or still runs (its memory must stay put).
-_BUSY = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
+_BUSY: Final = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
 #: Shard states in which a copy runs or has finished unreported (it holds memory until a poll hands it back).
-_UNREPORTED_COPIES = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+_UNREPORTED_COPIES: Final = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 # A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
-ABSENT, WRITING, READY = -2, -1, 0
+ABSENT: Final = -2
+WRITING: Final = -1
+READY: Final = 0
 
-_LIVE = (JobState.SUBMITTED, JobState.IN_FLIGHT)
-_WAITING_PHASES = (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED)
-_FINISHED_PHASES = (RequestState.FINISHED_UNSIGNALLED, RequestState.FINISHED_SIGNALLED, RequestState.DELETED)
+_LIVE: Final = (_JOB_SUBMITTED, _JOB_IN_FLIGHT)
+_WAITING_PHASES: Final = (_REQ_TRACKED, _REQ_DEFERRED, _REQ_PREEMPTED)
+_FINISHED_PHASES: Final = (_REQ_FINISHED_UNSIGNALLED, _REQ_FINISHED_SIGNALLED, _REQ_DELETED)
 
 #: An event of the model, e.g. ``("copy", 1, 0, True)``: kind first, then indices into the source state.
 Label = tuple[Any, ...]
@@ -264,12 +328,21 @@ class State(NamedTuple):
 #: The counters: State fields that only the guards in Model.successors() read and only the events that use
 #: them up increment. The memos key on the state without them (see Model._memo), and _shift moves a
 #: memoized result onto a state with other counters.
-_COUNTER_FIELDS = ("arrivals", "resets", "preemptions", "expiries")
-_COUNTERS = tuple(State._fields.index(name) for name in _COUNTER_FIELDS)
-_counters = operator.itemgetter(*_COUNTERS)
-_without_counters = operator.itemgetter(*(i for i in range(len(State._fields)) if i not in _COUNTERS))
+_COUNTER_FIELDS: Final = ("arrivals", "resets", "preemptions", "expiries")
+_COUNTERS: Final = tuple(State._fields.index(name) for name in _COUNTER_FIELDS)
+# The counters' positions as literal constants: the compiled build reads them as direct tuple items (mypyc
+# inlines a Final int), where _COUNTERS would be a loop over a tuple of boxed ints.
+_S_ARRIVALS: Final = 8
+_S_RESETS: Final = 9
+_S_PREEMPTIONS: Final = 10
+_S_EXPIRIES: Final = 14
+assert (
+    len(State._fields) == 16
+    and tuple(State._fields[i] for i in (_S_ARRIVALS, _S_RESETS, _S_PREEMPTIONS, _S_EXPIRIES)) == _COUNTER_FIELDS
+), "State's fields moved: update _S_* and _with_counters"
+_without_counters: Final = operator.itemgetter(*(i for i in range(len(State._fields)) if i not in _COUNTERS))
 #: The same without the poll gate too, for the events that poll the tiers before reading it.
-_without_counters_or_poll = operator.itemgetter(
+_without_counters_or_poll: Final = operator.itemgetter(
     *(i for i, name in enumerate(State._fields) if i not in _COUNTERS and name != "polled")
 )
 
@@ -342,16 +415,16 @@ class _EngineScratch:
 
 def slot_state(code: int) -> SlotState:
     if code == ABSENT:
-        return SlotState.ABSENT
+        return _SLOT_ABSENT
     if code == WRITING:
-        return SlotState.WRITING
-    return SlotState.READY if code == READY else SlotState.READING
+        return _SLOT_WRITING
+    return _SLOT_READY if code == READY else _SLOT_READING
 
 
 def _slot_code(state: SlotState, readers: int) -> int:
-    if state is SlotState.ABSENT:
+    if state is _SLOT_ABSENT:
         return ABSENT
-    if state is SlotState.WRITING:
+    if state is _SLOT_WRITING:
         return WRITING
     return readers
 
@@ -400,11 +473,13 @@ class _World:
 
     def __init__(self, s: State) -> None:
         self.engine = s.engine
-        self.reqs: list[list[Any]] = list(map(list, s.reqs))
-        self.jobs: list[list[Any]] = list(map(list, s.jobs))
+        # Comprehensions rather than map(): the compiled build makes them native loops (map and list would be
+        # looked up among the builtins and called generically).
+        self.reqs: list[list[Any]] = [list(r) for r in s.reqs]
+        self.jobs: list[list[Any]] = [list(j) for j in s.jobs]
         self.slots = list(s.slots)
         self.lru = list(s.lru)
-        self.tier: list[list[Any]] = list(map(list, s.tier))
+        self.tier: list[list[Any]] = [list(t) for t in s.tier]
         self.polled = s.polled
         self.reset_flush = s.reset_flush
         self.arrivals = s.arrivals
@@ -417,16 +492,15 @@ class _World:
         self.abandoned = s.abandoned
 
     def freeze(self) -> State:
-        new = tuple.__new__
-        return new(
-            State,
+        return _new(
+            _STATE_CLASS,
             (
                 self.engine,
-                tuple(map(_new_req, self.reqs)),
-                tuple(map(_new_job, self.jobs)),
+                tuple([_new(_REQ_CLASS, r) for r in self.reqs]),
+                tuple([_new(_JOB_CLASS, j) for j in self.jobs]),
                 tuple(self.slots),
                 tuple(self.lru),
-                tuple(map(_new_tier, self.tier)),
+                tuple([_new(_TIER_CLASS, t) for t in self.tier]),
                 self.polled,
                 self.reset_flush,
                 self.arrivals,
@@ -441,19 +515,35 @@ class _World:
         )
 
 
-# Records from the mutable lists of _World (C-level constructors, without NamedTuple.__new__'s arguments).
-_new_req = functools.partial(tuple.__new__, Req)
-_new_job = functools.partial(tuple.__new__, JobRec)
-_new_tier = functools.partial(tuple.__new__, TierRec)
-
 # Field positions, for the mutable lists of _World.
-_R_PHASE, _R_ENG, _R_PROMPT, _R_COMPUTED, _R_NEXT, _R_GROUP, _R_POS, _R_FIN, _R_ALLOC = range(9)
-_J_KIND, _J_KEYS, _J_REQ, _J_GROUP, _J_STATE, _J_PENDING, _J_FAILED, _J_SHARDS, _J_IGNORED, _J_WORLD = range(10)
-_J_EXPIRED = 10
-_T_KEYS, _T_STATUS, _T_TIER, _T_HARVESTED, _T_PROMOTE = range(5)
+_R_PHASE: Final = 0
+_R_ENG: Final = 1
+_R_PROMPT: Final = 2
+_R_COMPUTED: Final = 3
+_R_NEXT: Final = 4
+_R_GROUP: Final = 5
+_R_POS: Final = 6
+_R_FIN: Final = 7
+_R_ALLOC: Final = 8
+_J_KIND: Final = 0
+_J_KEYS: Final = 1
+_J_REQ: Final = 2
+_J_GROUP: Final = 3
+_J_STATE: Final = 4
+_J_PENDING: Final = 5
+_J_FAILED: Final = 6
+_J_SHARDS: Final = 7
+_J_IGNORED: Final = 8
+_J_WORLD: Final = 9
+_J_EXPIRED: Final = 10
+_T_KEYS: Final = 0
+_T_STATUS: Final = 1
+_T_TIER: Final = 2
+_T_HARVESTED: Final = 3
+_T_PROMOTE: Final = 4
 
 #: The spec invariants (spec/invariants.toml) this model checks, each in every state or on every transition.
-CHECKED_INVARIANTS = (
+CHECKED_INVARIANTS: Final = (
     "pending_work_covers_jobs",
     "idle_only_when_nothing_pending",
     "readable_only_after_commit",
@@ -466,7 +556,7 @@ CHECKED_INVARIANTS = (
 )
 
 #: Which invariant a disabled transition of each machine violates.
-_MACHINE_INVARIANT = {
+_MACHINE_INVARIANT: Final = {
     "job": "complete_exactly_once",
     "slot": "readable_only_after_commit",
     "request": "one_load_per_request",
@@ -504,7 +594,8 @@ class Model:
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
         self._memo_engine: dict[tuple[Any, ...], EngineState | InvalidTransition] = {}
         self._evictable = {code: self.is_evictable(slot_state(code)) for code in (ABSENT, WRITING, READY, 1)}
-        self._memo_events: dict[tuple[Any, ...], tuple[State | ModelViolation | None, State]] = {}
+        #: (event, arg, rest) -> [its result, the state it was computed on] (a list: see _memo)
+        self._memo_events: dict[tuple[Any, ...], list[Any]] = {}
         self._memo_lookups: dict[tuple[Any, ...], tuple[list[tuple[Label, State | ModelViolation | None]], State]] = {}
         self._memo_canonical: dict[tuple[Any, ...], State] = {}
         self._memo_finishes: dict[
@@ -514,7 +605,7 @@ class Model:
         self._memo_invariants: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         self.last_kept: tuple[list[int], list[int]] | None = None
         self.initial = State(
-            EngineState.IDLE,
+            _ENGINE_IDLE,
             (),
             (),
             (ABSENT,) * b.num_keys,
@@ -592,11 +683,11 @@ class Model:
             try:
                 self._slot.fire(scratch, event)
                 readers = scratch.readers
-                if event is SlotEvent.BEGIN_READ:
+                if event is _SLOT_EV_BEGIN_READ:
                     readers += 1
-                elif event is SlotEvent.END_READ:
+                elif event is _SLOT_EV_END_READ:
                     readers -= 1
-                elif scratch.state is not SlotState.READING:
+                elif scratch.state is not _SLOT_READING:
                     readers = 0
                 r = _slot_code(scratch.state, readers)
             except InvalidTransition as exc:
@@ -652,7 +743,7 @@ class Model:
         """The implementation's pending_push_work() over the model's awaited jobs and its tiering manager's
         has_pending_work(): what the engine is told, computed from the bookkeeping. After a shutdown gave
         up (``abandoned``), neither the quarantine nor the manager's transfers count."""
-        live = [j if isinstance(j, JobRec) else _new(JobRec, j) for j in jobs if j[_J_STATE] in _LIVE]
+        live = [j if isinstance(j, JobRec) else _new(_JOB_CLASS, j) for j in jobs if j[_J_STATE] in _LIVE]
         if abandoned:
             return self.pending_push_work(live, lambda: False)
         return self.pending_push_work(live, lambda: self.quarantine_pending(jobs) or self.manager_pending(tier))
@@ -667,7 +758,7 @@ class Model:
     def quarantine_pending(self, jobs: Sequence[Any]) -> bool:
         """The scheduler's quarantine term: a timed-out job whose launched copies have not all reported."""
         return any(
-            j[_J_STATE] is JobState.TIMED_OUT and not j[_J_IGNORED] and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
+            j[_J_STATE] is _JOB_TIMED_OUT and not j[_J_IGNORED] and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
             for j in jobs
         )
 
@@ -715,12 +806,12 @@ class Model:
         non-stale job with a shard not yet launched, copying, or finished but not reported, or a cascade
         whose tier I/O or sync is not over. None when nothing remains."""
         for job in s.jobs:
-            if job.state is not JobState.STALE and not job.ignored:
+            if job.state is not _JOB_STALE and not job.ignored:
                 # An awaited job still has to launch; a terminal one (timed out) only has its launched copies.
                 unfinished = _UNFINISHED_SHARDS if job.state in _LIVE else _UNREPORTED_COPIES
                 for rank, sh in enumerate(job.shards):
                     if sh in unfinished:
-                        what = "timed-out " if job.state is JobState.TIMED_OUT else ""
+                        what = "timed-out " if job.state is _JOB_TIMED_OUT else ""
                         return f"rank {rank}'s shard of a {what}{KIND_NAMES[job.kind]} job is {SHARD_NAMES[sh]}"
         for rec in s.tier:
             if not (rec.promote and rec.status == UNLAUNCHED):  # a queued promotion is a reservation
@@ -786,65 +877,74 @@ class Model:
         a fixed order (a list rather than a generator: cheaper, and every event is taken anyway)."""
         b = self.bounds
         out: list[tuple[Label, State | ModelViolation | None]] = []
-        add = out.append
         batch_open = any(r.alloc for r in s.reqs)
         # Environment: a copy or a cascade finishes (or fails).
-        outcomes = (True, False) if b.failures else (True,)
+        failures = b.failures
         for j, job in enumerate(s.jobs):
             for w, shard in enumerate(job.shards):
                 if shard == COPYING:
-                    for ok in outcomes:
-                        add((("copy", j, w, ok), self._copy_done(s, j, w, ok)))
+                    out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
+                    if failures:
+                        out.append((("copy", j, w, False), self._copy_done(s, j, w, False)))
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
-                    add((("copy", j, w, True), self._copy_done(s, j, w, True)))
+                    out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
             if rec.status == COPYING:
-                for ok in outcomes:
-                    add((("tier", c, ok), self._tier_done(s, c, ok)))
+                out.append((("tier", c, True), self._tier_done(s, c, True)))
+                if failures:
+                    out.append((("tier", c, False), self._tier_done(s, c, False)))
             elif rec.status == SYNCING:
-                add((("sync", c), self._sync_done(s, c)))
+                out.append((("sync", c), self._sync_done(s, c)))
         if s.expiries < b.deadlines:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
-                    add((("expire", j), self._expire(s, j)))
-        if s.engine is EngineState.STOPPED:
+                    out.append((("expire", j), self._expire(s, j)))
+        if s.engine is _ENGINE_STOPPED:
             return out  # the process has stopped: nothing else happens
-        if s.engine is EngineState.SHUTTING_DOWN:
+        if s.engine is _ENGINE_SHUTTING_DOWN:
             # flush_all: empty steps until nothing is pending (stop) or the deadline passes (give up).
             if self.has_pending_push_work(s.jobs, s.tier, s.abandoned):
-                add((("step",), self._guard(self._step, s, -1)))
-                add((("give_up",), self._guard(self._give_up, s, -1)))
+                out.append((("step",), self._guard(self._step, s, -1)))
+                out.append((("give_up",), self._guard(self._give_up, s, -1)))
             else:
-                add((("stop",), self._guard(self._stop, s, -1)))
+                out.append((("stop",), self._guard(self._stop, s, -1)))
             return out
         # Engine inputs.
         if s.arrivals < b.requests:
             for p in range(b.prompts):
-                add((("arrive", p), self._guard(self._arrive, s, p)))
+                out.append((("arrive", p), self._guard(self._arrive, s, p)))
         if s.blocked:
             # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
             if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
-                add((("unblock",), self._guard(self._unblock, s, -1)))
+                out.append((("unblock",), self._guard(self._unblock, s, -1)))
             return out
-        used = self._groups_in_use(s)
-        owned = {r.group for r in s.reqs if r.eng in (E_RUN, E_LOAD)}
-        free_dirty = sorted(used - owned)
-        has_clean = len(used) < self.G
-        for i, r in enumerate(s.reqs):
-            if r.eng == E_WAIT and (has_clean or free_dirty):
-                out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
-        if s.engine is not EngineState.IDLE:
-            add((("step",), self._memo(self._step, s, -1, True)))
+        if any(r.eng == E_WAIT for r in s.reqs):  # (the GPU groups matter only to a lookup)
+            used = self._groups_in_use(s)
+            owned = {r.group for r in s.reqs if r.eng == E_RUN or r.eng == E_LOAD}
+            free_dirty = sorted(used - owned)
+            has_clean = len(used) < self.G
+            for i, r in enumerate(s.reqs):
+                if r.eng == E_WAIT and (has_clean or free_dirty):
+                    out += self._memo_lookup(s, i, -1 if has_clean else free_dirty[0], free_dirty, has_clean)
+        if s.engine is _ENGINE_IDLE and batch_open:
+            return out
+        # What the memo keys of this state's steps and reset hold (see _memo), built once for all of them.
+        polls_first = _without_counters_or_poll(s) if b.tiers else _without_counters(s)
+        if s.engine is not _ENGINE_IDLE:
+            out.append((("step",), self._memo(_STEP, s, -1, polls_first)))
         if not batch_open:
             for i, r in enumerate(s.reqs):
                 if r.eng == E_RUN and s.preemptions < b.preemptions:
-                    add((("preempt", i), self._memo(self._step, s, i, True)))
-                if r.eng != E_DONE and r.phase not in _FINISHED_PHASES:
-                    add((("finish", i), self._memo_finish(s, i)))
+                    out.append((("preempt", i), self._memo(_STEP, s, i, polls_first)))
+                phase = r.phase
+                if r.eng != E_DONE and not (
+                    phase is _REQ_FINISHED_UNSIGNALLED or phase is _REQ_FINISHED_SIGNALLED or phase is _REQ_DELETED
+                ):  # (not in _FINISHED_PHASES, without comparing enum members by ==)
+                    out.append((("finish", i), self._memo_finish(s, i)))
             if s.resets < b.resets:
-                add((("reset",), self._memo(self._reset, s, -1, True)))
+                out.append((("reset",), self._memo(_RESET, s, -1, polls_first)))
             if b.shutdown:
-                add((("shutdown",), self._memo(self._shutdown, s, -1)))
+                out.append((("shutdown",), self._memo(_SHUTDOWN, s, -1, _without_counters(s))))
         return out
 
     # -- memoized events
@@ -855,20 +955,36 @@ class Model:
     # events are memoized, inside this Model, on the state without them (``created`` stays in the key: it
     # prunes), which computes each about half as often at the default bounds.
 
-    def _memo(
-        self, fn: Callable[[State, int], State], s: State, arg: int, polls_first: bool = False
-    ) -> State | ModelViolation | None:
-        """``fn(s, arg)`` through _guard, memoized. ``polls_first``: ``fn`` runs the tiering manager's poll
-        before anything reads the poll gate (a step's build_connector_meta, a reset's drain), so with tiers
-        its result does not depend on ``s.polled`` either, which is left out of the key."""
-        rest = _without_counters_or_poll(s) if polls_first and self.bounds.tiers else _without_counters(s)
-        key = (fn.__name__, arg, *rest)
-        hit = self._memo_events.get(key)
-        if hit is None:
-            r = self._guard(fn, s, arg)
-            self._memo_events[key] = (r, s)
-            return r
-        return _shift(hit[0], hit[1], s)
+    def _memo(self, event: int, s: State, arg: int, rest: tuple[Any, ...]) -> State | ModelViolation | None:
+        """Event ``event`` (_STEP: ``arg`` the request to preempt or -1, _RESET, _SHUTDOWN) on ``s`` through
+        _guard, memoized on ``rest``: ``s`` without its counters, and for the events that run the tiering
+        manager's poll before anything reads the poll gate (a step's build_connector_meta, a reset's drain)
+        without ``s.polled`` too when there are tiers (their result does not depend on it). ``rest`` is
+        computed once per state by successors(), for all of its events. The event is a number, not a bound
+        method: the compiled build then calls the method directly and builds no method object per call."""
+        key = (event, arg, rest)
+        # One hash of the key, hit or miss: setdefault looks it up and, on a miss, inserts this entry at
+        # once, which is then filled in (where get and then a store would hash the key twice).
+        entry: list[Any] = [None, s]
+        hit = self._memo_events.setdefault(key, entry)
+        if hit is not entry:
+            return _shift(hit[0], hit[1], s)
+        try:
+            if event == _STEP:
+                r: State | ModelViolation | None = self._step(s, arg)
+            elif event == _RESET:
+                r = self._reset(s, arg)
+            else:
+                r = self._shutdown(s, arg)
+        except ModelViolation as exc:
+            r = exc.with_traceback(None)  # as in _guard
+        except _Pruned:
+            r = None
+        except BaseException:
+            del self._memo_events[key]  # no unfilled entry stays behind
+            raise
+        entry[0] = r
+        return r
 
     def _memo_finish(self, s: State, i: int) -> State | ModelViolation | None:
         """_finish_request through _guard, memoized on what it reads: the requests and the jobs (the request
@@ -880,7 +996,27 @@ class Model:
             self._memo_finishes[key] = (r.reqs, r.jobs) if isinstance(r, State) else r
             return r
         if isinstance(hit, tuple):
-            return _new(State, (s[0], hit[0], hit[1], *s[3:]))
+            return _new(
+                _STATE_CLASS,
+                (
+                    s[0],
+                    hit[0],
+                    hit[1],
+                    s[3],
+                    s[4],
+                    s[5],
+                    s[6],
+                    s[7],
+                    s[8],
+                    s[9],
+                    s[10],
+                    s[11],
+                    s[12],
+                    s[13],
+                    s[14],
+                    s[15],
+                ),
+            )
         return hit if isinstance(hit, ModelViolation) else None
 
     def _memo_lookup(
@@ -917,8 +1053,32 @@ class Model:
         job = jobs[j]
         shards = job.shards
         value = REPORTED if shards[w] == REPORTED_COPYING else DONE_OK if ok else DONE_FAIL
-        new_job = _new(JobRec, (*job[:_J_SHARDS], (*shards[:w], value, *shards[w + 1 :]), *job[_J_SHARDS + 1 :]))
-        return _new(State, (s[0], s[1], (*jobs[:j], new_job, *jobs[j + 1 :]), *s[3:]))
+        # Every field written out (no slices): the compiled build then builds each tuple at once.
+        new_job = _new(
+            _JOB_CLASS,
+            (job[0], job[1], job[2], job[3], job[4], job[5], job[6], _with(shards, w, value), job[8], job[9], job[10]),
+        )
+        return _new(
+            _STATE_CLASS,
+            (
+                s[0],
+                s[1],
+                _with(jobs, j, new_job),
+                s[3],
+                s[4],
+                s[5],
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
+        )
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
         """The tier's I/O for cascade ``c`` ends (ok or failed)."""
@@ -926,17 +1086,37 @@ class Model:
         rec = tier[c]
         if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
             if ok and self._durable(rec.tier) and not rec.promote:
-                tier[c] = _new(TierRec, (rec[0], SYNCING, *rec[2:]))
+                tier[c] = _new(_TIER_CLASS, (rec[0], SYNCING, *rec[2:]))
             else:
                 del tier[c]
         else:
-            tier[c] = _new(TierRec, (rec[0], DONE_OK if ok else DONE_FAIL, *rec[2:]))
+            tier[c] = _new(_TIER_CLASS, (rec[0], DONE_OK if ok else DONE_FAIL, *rec[2:]))
         if ok and s.held and not rec.promote:  # the tier now holds a copy of the cascaded keys
             held = list(s.held)
             for key in rec.keys:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
-        return _new(State, (*s[:5], tuple(tier), *s[6:]))
+        return _new(
+            _STATE_CLASS,
+            (
+                s[0],
+                s[1],
+                s[2],
+                s[3],
+                s[4],
+                tuple(tier),
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
+        )
 
     def _expire(self, s: State, j: int) -> State:
         """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
@@ -951,14 +1131,14 @@ class Model:
         job = w.jobs[j]
         shards = job[_J_SHARDS]
         job[_J_STATE] = self.job_event(
-            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), JobEvent.TIME_OUT, 0
+            job[_J_STATE], _reported(shards), job[_J_FAILED], _mask(shards), _JOB_EV_TIME_OUT, 0
         )[0]
         i = job[_J_REQ]
         job[_J_REQ] = -1
         if _UNREPORTED_COPIES.isdisjoint(shards):
             self._release(w, job)
-        if i >= 0 and w.reqs[i][_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
-            self._fire_req(w, i, RequestEvent.DELETE)
+        if i >= 0 and w.reqs[i][_R_PHASE] is _REQ_FINISHED_SIGNALLED and not _awaits(w.jobs, i):
+            self._fire_req(w, i, _REQ_EV_DELETE)
 
     def _release(self, w: _World, job: list[Any]) -> None:
         """The RELEASE effect's memory part: a store's slots are freed, a load's unpinned."""
@@ -974,12 +1154,12 @@ class Model:
         w = _World(s)
         for i, r in enumerate(w.reqs):
             if r[_R_ENG] != E_DONE and r[_R_PHASE] not in _FINISHED_PHASES:
-                self._fire_req(w, i, RequestEvent.FINISH)
+                self._fire_req(w, i, _REQ_EV_FINISH)
                 r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
                 if r[_R_ENG] in (E_RUN, E_WAIT):
                     r[_R_ENG] = E_DONE
                     r[_R_POS] = -1
-        w.engine = self.engine_event(w.engine, EngineEvent.SHUTDOWN, False)
+        w.engine = self.engine_event(w.engine, _ENGINE_EV_SHUTDOWN, False)
         return self._compact(w)
 
     def _give_up(self, s: State, _: int) -> State:
@@ -991,7 +1171,7 @@ class Model:
                 continue
             shards = job[_J_SHARDS]
             if _mask(shards) == 0:
-                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, JobEvent.CANCEL, 0)
+                state, effect = self.job_event(job[_J_STATE], _reported(shards), job[_J_FAILED], 0, _JOB_EV_CANCEL, 0)
                 job[_J_STATE] = state
                 self._job_finished(w, j, effect)
             else:
@@ -1004,12 +1184,10 @@ class Model:
         """stop [no_pending_push_work], then release_quarantine and the tiers' shutdown: nothing can use
         the memory any more, so every quarantined slot and every abandoned transfer's pin is handed back."""
         w = _World(s)
-        w.engine = self.engine_event(
-            w.engine, EngineEvent.STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned)
-        )
+        w.engine = self.engine_event(w.engine, _ENGINE_EV_STOP, self.has_pending_push_work(w.jobs, w.tier, w.abandoned))
         for job in w.jobs:
             if (
-                job[_J_STATE] is JobState.TIMED_OUT
+                job[_J_STATE] is _JOB_TIMED_OUT
                 and not job[_J_IGNORED]
                 and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
@@ -1021,7 +1199,7 @@ class Model:
             for key in t[_T_KEYS]:
                 if t[_T_PROMOTE]:
                     if w.slots[key] == WRITING:
-                        w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                        w.slots[key] = self.slot_event(WRITING, _SLOT_EV_ABORT_WRITE)
                     # TieringManager.shutdown's poll: a promotion that did not succeed (failed, or cancelled
                     # by the tier's shutdown) is released with invalidate=True.
                     if w.held and not t[_T_HARVESTED] and t[_T_STATUS] in (COPYING, DONE_FAIL):
@@ -1045,8 +1223,8 @@ class Model:
 
     def _arrive(self, s: State, prompt: int) -> State:
         # A blocked engine does not read its input queue: the request waits there, not admitted yet.
-        engine = s.engine if s.blocked else self.engine_event(s.engine, EngineEvent.ADMIT, False)
-        req = Req(RequestState.TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
+        engine = s.engine if s.blocked else self.engine_event(s.engine, _ENGINE_EV_ADMIT, False)
+        req = Req(_REQ_TRACKED, E_WAIT, prompt, 0, 0, -1, -1, -1, False)
         return s._replace(engine=engine, reqs=(*s.reqs, req), arrivals=s.arrivals + 1)
 
     # -- lookup: get_num_new_matched_tokens + update_state_after_alloc
@@ -1072,7 +1250,7 @@ class Model:
         r = w.reqs[i]
         has_jobs = _awaits(w.jobs, i)
         if has_jobs:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, has_jobs)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, has_jobs)[0]
             return None
         self._maybe_poll(w)
         being_loaded = {k for j in w.jobs if j[_J_KIND] == LOAD and j[_J_STATE] in _LIVE for k in j[_J_KEYS]}
@@ -1096,7 +1274,7 @@ class Model:
                 break
             hits += 1
         if must_wait:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.DEFER, False)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, False)[0]
             return None
         return hits
 
@@ -1110,18 +1288,18 @@ class Model:
         r[_R_GROUP] = g
         r[_R_ALLOC] = True
         if hits == 0:
-            r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.SCHEDULE, False)[0]
+            r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_SCHEDULE, False)[0]
             r[_R_ENG] = E_RUN
             r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_RUN and x is not r)
             return w.freeze()
         keys = self.prompt_keys[r[_R_PROMPT]][:hits]
-        self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)  # can_fire, before prepare_load
+        self.req_event(r[_R_PHASE], _REQ_EV_START_LOAD, False)  # can_fire, before prepare_load
         self._maybe_poll(w)
         for key in keys:
             self._begin_read(w, key)
-        r[_R_PHASE] = self.req_event(r[_R_PHASE], RequestEvent.START_LOAD, False)[0]
+        r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_START_LOAD, False)[0]
         self._count_job(w)
-        w.jobs.append([LOAD, keys, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
+        w.jobs.append([LOAD, keys, i, g, _JOB_SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
         r[_R_NEXT] = hits
         r[_R_ENG] = E_LOAD
         r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
@@ -1142,7 +1320,7 @@ class Model:
                 "readable_only_after_commit", f"prepare_read of key {key} whose slot is {slot_state(code).value}"
             )
         was = self.evictable(code)
-        code = self.slot_event(code, SlotEvent.BEGIN_READ)
+        code = self.slot_event(code, _SLOT_EV_BEGIN_READ)
         w.slots[key] = code
         if was and not self.evictable(code):
             w.lru.remove(key)
@@ -1150,7 +1328,7 @@ class Model:
     def _end_read(self, w: _World, key: int) -> None:
         code = w.slots[key]
         was = self.evictable(code)
-        code = self.slot_event(code, SlotEvent.END_READ)
+        code = self.slot_event(code, _SLOT_EV_END_READ)
         w.slots[key] = code
         if not was and self.evictable(code):
             w.lru.append(key)
@@ -1183,10 +1361,10 @@ class Model:
                 ok = t[_T_STATUS] != DONE_FAIL
                 for key in t[_T_KEYS]:
                     if ok:
-                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.COMMIT_WRITE)
+                        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_COMMIT_WRITE)
                         w.lru.append(key)
                     else:
-                        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.ABORT_WRITE)
+                        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_ABORT_WRITE)
                         w.held[t[_T_TIER]] &= ~(1 << key)
                 continue
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
@@ -1206,8 +1384,8 @@ class Model:
             if not victims:
                 return False
             w.lru.remove(victims[0])
-            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], SlotEvent.EVICT, "evict_only_ready_unreferenced")
-        w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+            w.slots[victims[0]] = self.slot_event(w.slots[victims[0]], _SLOT_EV_EVICT, "evict_only_ready_unreferenced")
+        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_BEGIN_WRITE)
         return True
 
     def _prepare_store(self, w: _World, keys: Sequence[int]) -> tuple[int, ...] | None:
@@ -1227,9 +1405,9 @@ class Model:
                 return None
             for key in victims:
                 w.lru.remove(key)
-                w.slots[key] = self.slot_event(w.slots[key], SlotEvent.EVICT, "evict_only_ready_unreferenced")
+                w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_EVICT, "evict_only_ready_unreferenced")
         for key in new_keys:
-            w.slots[key] = self.slot_event(w.slots[key], SlotEvent.BEGIN_WRITE)
+            w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_BEGIN_WRITE)
         return tuple(new_keys)
 
     def _complete_store(self, w: _World, keys: Sequence[int], success: bool) -> None:
@@ -1239,12 +1417,12 @@ class Model:
             return
         for key in writing:
             if success:
-                code = self.slot_event(WRITING, SlotEvent.COMMIT_WRITE)
+                code = self.slot_event(WRITING, _SLOT_EV_COMMIT_WRITE)
                 w.slots[key] = code
                 if self.evictable(code):
                     w.lru.append(key)
             else:
-                w.slots[key] = self.slot_event(WRITING, SlotEvent.ABORT_WRITE)
+                w.slots[key] = self.slot_event(WRITING, _SLOT_EV_ABORT_WRITE)
         if success and self.bounds.tiers:
             cascade = tuple(writing)
             for t in range(self.bounds.tiers):  # written through to every tier, each cascade pinning the keys
@@ -1308,11 +1486,11 @@ class Model:
         flush: set[int] = set()
         if preempt >= 0:
             flush.update(j for j, job in enumerate(w.jobs) if job[_J_REQ] == preempt and job[_J_STATE] in _LIVE)
-            self._fire_req(w, preempt, RequestEvent.PREEMPT)
+            self._fire_req(w, preempt, _REQ_EV_PREEMPT)
         fences = self._fences(w)
         flush |= self.fenced_jobs(allocated, fences)
         for i, n in scheduled:
-            if reqs[i][_R_PHASE] is RequestState.RUNNING:
+            if reqs[i][_R_PHASE] is _REQ_RUNNING:
                 self._plan_stores(w, i, reqs[i][_R_COMPUTED] + n, allocated, flush)
         finished = [i for i, r in enumerate(reqs) if r[_R_FIN] >= 0]
         if len(finished) > 1:
@@ -1321,11 +1499,11 @@ class Model:
             self._plan_stores(w, i, reqs[i][_R_COMPUTED], allocated, flush)
         for i in finished:
             reqs[i][_R_FIN] = -1
-            self._fire_req(w, i, RequestEvent.SIGNAL)
+            self._fire_req(w, i, _REQ_EV_SIGNAL)
             if not _awaits(w.jobs, i):
-                self._fire_req(w, i, RequestEvent.DELETE)
+                self._fire_req(w, i, _REQ_EV_DELETE)
         if w.reset_flush:
-            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is JobState.STALE or job[_J_IGNORED])
+            flush.update(j for j, job in enumerate(w.jobs) if job[_J_STATE] is _JOB_STALE or job[_J_IGNORED])
             w.reset_flush = False
         for r in reqs:
             r[_R_ALLOC] = False
@@ -1358,7 +1536,7 @@ class Model:
             if (
                 job[_J_GROUP] in written
                 and job[_J_REQ] != written[job[_J_GROUP]]
-                and job[_J_STATE] is not JobState.TIMED_OUT
+                and job[_J_STATE] is not _JOB_TIMED_OUT
             ):
                 busy = [rank for rank, sh in enumerate(job[_J_SHARDS]) if sh in _BUSY]
                 if busy:
@@ -1382,7 +1560,7 @@ class Model:
         """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
         self._report(w)
         self._finish_loads(w)
-        if w.engine is EngineState.SHUTTING_DOWN:
+        if w.engine is _ENGINE_SHUTTING_DOWN:
             return self._compact(w)  # flush_all's empty step: no settle
         unfinished = False
         for r in w.reqs:
@@ -1390,10 +1568,10 @@ class Model:
                 unfinished = True
                 break
         event = settle_event(w.engine, unfinished)
-        if event is EngineEvent.SETTLE:
+        if event is _ENGINE_EV_SETTLE:
             live = [j for j in w.jobs if j[_J_STATE] in _LIVE]
             pending = self.has_pending_push_work(w.jobs, w.tier)
-            if pending and self.settle_effect is EngineEffect.FLUSH_ALL and live:
+            if pending and self.settle_effect is _ENGINE_FX_FLUSH_ALL and live:
                 # The blocking baseline (#42611): flush_all launches every awaited job and waits for all of
                 # them inside this step; the step resumes (unblock) once every flushed copy has finished.
                 for job in w.jobs:
@@ -1426,7 +1604,7 @@ class Model:
                 f"waiting for {copying} in-flight cop{'y' if copying == 1 else 'ies'}: no lookup and no step "
                 "can run until they finish"
             )
-        if s.engine is EngineState.IDLE:
+        if s.engine is _ENGINE_IDLE:
             return f"request #{i} arrived but the engine is idle and was not admitted"
         nxt = self.apply(s, ("step",))
         if not isinstance(nxt, State):
@@ -1443,9 +1621,9 @@ class Model:
             return
         mask = _mask(job[_J_SHARDS])
         reported = _reported(job[_J_SHARDS])
-        state, effect = self.job_event(job[_J_STATE], reported, job[_J_FAILED], mask, JobEvent.LAUNCH, rank)
+        state, effect = self.job_event(job[_J_STATE], reported, job[_J_FAILED], mask, _JOB_EV_LAUNCH, rank)
         job[_J_STATE] = state
-        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is JobEffect.START_COPY else REPORTED)
+        job[_J_SHARDS] = _with(job[_J_SHARDS], rank, COPYING if effect is _JOB_FX_START_COPY else REPORTED)
 
     def _fences(self, w: _World) -> dict[int, set[int]]:
         """The fence index by GPU group: uncommitted stores of finished requests."""
@@ -1473,10 +1651,8 @@ class Model:
         g = r[_R_GROUP] if r[_R_GROUP] >= 0 else -1
         if g < 0:
             raise ModelViolation("gpu_source_not_overwritten", f"request {i} plans a store without GPU blocks")
-        w.jobs.append(
-            [STORE, prepared, i, g, JobState.SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False]
-        )
-        if r[_R_PHASE] is RequestState.FINISHED_UNSIGNALLED:
+        w.jobs.append([STORE, prepared, i, g, _JOB_SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
+        if r[_R_PHASE] is _REQ_FINISHED_UNSIGNALLED:
             fences = self._fences(w)
             if j in self.fenced_jobs(allocated & {g}, fences):
                 flush.add(j)
@@ -1509,16 +1685,19 @@ class Model:
                 failed[j] = bad
             if ok:
                 completed[j] = ok
+        # The reporting jobs, those with a failure first (dict.fromkeys([*failed, *completed]), built once).
+        reporting = list(failed)
+        reporting += [j for j in completed if j not in failed]
         # Validate everything first (update_connector_output raises before it changes anything).
-        for j in dict.fromkeys([*failed, *completed]):
+        for j in reporting:
             job = w.jobs[j]
             if job[_J_IGNORED]:
                 continue
             keys = list(job[_J_KEYS])
-            if job[_J_STATE] is JobState.TIMED_OUT:
+            if job[_J_STATE] is _JOB_TIMED_OUT:
                 continue  # a late report of a quarantined job: absorbed by id
             if job[_J_STATE] not in _LIVE:
-                if job[_J_STATE] is JobState.STALE:
+                if job[_J_STATE] is _JOB_STALE:
                     raise ModelViolation(
                         "stale_ids_ignored",
                         f"a worker reported {KIND_NAMES[job[_J_KIND]]} job (keys {keys}) that reset_cache "
@@ -1534,7 +1713,7 @@ class Model:
                 raise ModelViolation(
                     "complete_exactly_once", f"job (keys {keys}) got {total} reports with {job[_J_PENDING]} pending"
                 )
-        for reports, event in ((failed, JobEvent.FAIL), (completed, JobEvent.ACK)):
+        for reports, event in ((failed, _JOB_EV_FAIL), (completed, _JOB_EV_ACK)):
             for j, ranks in reports.items():
                 job = w.jobs[j]
                 mask = _mask(job[_J_SHARDS])
@@ -1545,13 +1724,13 @@ class Model:
                     job[_J_STATE] = state
                     reported[j] |= 1 << rank
                     job[_J_PENDING] -= 1
-                    if event is JobEvent.FAIL:
+                    if event is _JOB_EV_FAIL:
                         job[_J_FAILED] += 1
                     self._job_finished(w, j, effect)
-        for j in dict.fromkeys([*failed, *completed]):
+        for j in reporting:
             job = w.jobs[j]
             if (
-                job[_J_STATE] is JobState.TIMED_OUT
+                job[_J_STATE] is _JOB_TIMED_OUT
                 and not job[_J_IGNORED]
                 and _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS])
             ):
@@ -1575,7 +1754,7 @@ class Model:
             return
         job = w.jobs[j]
         i = job[_J_REQ]
-        ok = effect is JobEffect.COMMIT
+        ok = effect is _JOB_FX_COMMIT
         if job[_J_KIND] == STORE:
             self._complete_store(w, job[_J_KEYS], ok)
         else:
@@ -1584,10 +1763,10 @@ class Model:
                 w.reqs[i][_R_COMPUTED] = len(job[_J_KEYS]) * TOKENS_PER_BLOCK
         job[_J_REQ] = -1
         r = w.reqs[i]
-        if job[_J_KIND] == LOAD and r[_R_PHASE] is RequestState.LOADING:
-            self._fire_req(w, i, RequestEvent.LOAD_DONE)
-        if r[_R_PHASE] is RequestState.FINISHED_SIGNALLED and not _awaits(w.jobs, i):
-            self._fire_req(w, i, RequestEvent.DELETE)
+        if job[_J_KIND] == LOAD and r[_R_PHASE] is _REQ_LOADING:
+            self._fire_req(w, i, _REQ_EV_LOAD_DONE)
+        if r[_R_PHASE] is _REQ_FINISHED_SIGNALLED and not _awaits(w.jobs, i):
+            self._fire_req(w, i, _REQ_EV_DELETE)
 
     def _finish_loads(self, w: _World) -> None:
         """ReferenceEngine._finish_loads: loads no longer awaited hand their request back to the engine."""
@@ -1617,7 +1796,7 @@ class Model:
         if len(keep_jobs) != len(jobs):
             w.jobs = [jobs[n] for n in keep_jobs]
         reqs = w.reqs
-        keep = [i for i, r in enumerate(reqs) if not (r[_R_PHASE] is RequestState.DELETED and r[_R_ENG] == E_DONE)]
+        keep = [i for i, r in enumerate(reqs) if not (r[_R_PHASE] is _REQ_DELETED and r[_R_ENG] == E_DONE)]
         self.last_kept = (keep, keep_jobs)
         if len(keep) != len(reqs):
             remap = {old: new for new, old in enumerate(keep)}
@@ -1634,7 +1813,7 @@ class Model:
     def _finish_request(self, s: State, i: int) -> State:
         w = _World(s)
         r = w.reqs[i]
-        self._fire_req(w, i, RequestEvent.FINISH)
+        self._fire_req(w, i, _REQ_EV_FINISH)
         r[_R_FIN] = max((x[_R_FIN] for x in w.reqs), default=-1) + 1
         if r[_R_ENG] in (E_RUN, E_WAIT):  # the engine frees its blocks; the scheduler still knows them
             r[_R_ENG] = E_DONE
@@ -1655,13 +1834,13 @@ class Model:
             w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
         for job in w.jobs:
-            if job[_J_STATE] is JobState.TIMED_OUT and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS]):
+            if job[_J_STATE] is _JOB_TIMED_OUT and not _UNREPORTED_COPIES.isdisjoint(job[_J_SHARDS]):
                 job[_J_IGNORED] = ignored  # quarantined: flushed like every other stale job
                 w.reset_flush = True
             if job[_J_STATE] in _LIVE:
                 mask = _mask(job[_J_SHARDS])
                 job[_J_STATE] = self.job_event(
-                    job[_J_STATE], _reported(job[_J_SHARDS]), job[_J_FAILED], mask, JobEvent.DISCARD, 0
+                    job[_J_STATE], _reported(job[_J_SHARDS]), job[_J_FAILED], mask, _JOB_EV_DISCARD, 0
                 )[0]
                 job[_J_REQ] = -1
                 job[_J_IGNORED] = ignored
@@ -1669,15 +1848,15 @@ class Model:
         for i, r in enumerate(w.reqs):
             r[_R_NEXT] = 0
             if r[_R_PHASE] in (
-                RequestState.FINISHED_UNSIGNALLED,
-                RequestState.FINISHED_SIGNALLED,
-                RequestState.LOADING,
+                _REQ_FINISHED_UNSIGNALLED,
+                _REQ_FINISHED_SIGNALLED,
+                _REQ_LOADING,
             ):
-                self._fire_req(w, i, RequestEvent.RESET)
+                self._fire_req(w, i, _REQ_EV_RESET)
             r[_R_FIN] = -1
         for key, code in enumerate(w.slots):
             if code != ABSENT:
-                w.slots[key] = self.slot_event(code, SlotEvent.RESET)
+                w.slots[key] = self.slot_event(code, _SLOT_EV_RESET)
         w.lru = []
         if self.bounds.tiers:
             w.polled = False
@@ -1689,9 +1868,15 @@ class Model:
         """Every spec invariant that ``s`` breaks, as (invariant name, detail)."""
         # No invariant reads the counters (arrivals, resets, preemptions, expiries): memoized without them.
         key = _without_counters(s)
-        out = self._memo_invariants.get(key)
-        if out is None:
-            out = self._memo_invariants[key] = self._invariants(s)
+        # One hash of the key, hit or miss (as in _memo): on a miss, ``fresh`` is inserted and filled in.
+        fresh: list[tuple[str, str]] = []
+        out = self._memo_invariants.setdefault(key, fresh)
+        if out is fresh:
+            try:
+                fresh += self._invariants(s)
+            except BaseException:
+                del self._memo_invariants[key]
+                raise
         return list(out)
 
     def _invariants(self, s: State) -> list[tuple[str, str]]:
@@ -1704,13 +1889,13 @@ class Model:
         remains = None if s.abandoned else self.transfer_remains(s)
         if remains is not None and not self.has_pending_push_work(s.jobs, tier, s.abandoned):
             out.append(("pending_work_covers_jobs", f"{remains} but has_pending_push_work() is False"))
-        if s.engine is EngineState.STOPPED:
+        if s.engine is _ENGINE_STOPPED:
             if live:
                 out.append(("idle_only_when_nothing_pending", f"stopped with {len(live)} awaited job(s)"))
             pinned = [k for k, code in enumerate(s.slots) if code not in (ABSENT, READY)]
             if pinned or tier:
                 out.append(("idle_only_when_nothing_pending", f"stopped with keys {pinned} pinned or reserved"))
-        if s.engine is EngineState.IDLE:
+        if s.engine is _ENGINE_IDLE:
             if remains is not None:
                 out.append(("idle_only_when_nothing_pending", f"the engine is idle while {remains}"))
             elif any(sh in _UNREPORTED_COPIES for j in s.jobs for sh in j.shards):
@@ -1720,7 +1905,7 @@ class Model:
         for job in s.jobs:
             busy = not _BUSY.isdisjoint(job.shards)
             copying = COPYING in job.shards or REPORTED_COPYING in job.shards
-            if job.state is JobState.STALE or job.ignored:
+            if job.state is _JOB_STALE or job.ignored:
                 stale_busy = stale_busy or copying
             else:
                 fresh_busy = fresh_busy or copying
@@ -1740,7 +1925,7 @@ class Model:
                                 f"key {key} of an uncommitted store is {slot_state(s.slots[key]).value}",
                             )
                         )
-            elif job.state is not JobState.STALE and busy:
+            elif job.state is not _JOB_STALE and busy:
                 for key in job.keys:
                     if s.slots[key] < 1:
                         out.append(
@@ -1775,7 +1960,7 @@ class Model:
                     readers[key] = readers.get(key, 0) + 1
         if readers:
             for job in s.jobs:
-                if job.kind == LOAD and job.state is not JobState.STALE and not _BUSY.isdisjoint(job.shards):
+                if job.kind == LOAD and job.state is not _JOB_STALE and not _BUSY.isdisjoint(job.shards):
                     for key in job.keys:
                         readers[key] = readers.get(key, 0) + 1
             for key, n in readers.items():
@@ -1810,7 +1995,7 @@ class Model:
             if not 1 <= job.pending <= self.W:
                 out.append(("complete_exactly_once", f"an awaited job has pending={job.pending}"))
         for job in s.jobs:  # a commit is attributed: every one of the W ranks launched and reported first
-            if job.state is JobState.COMPLETE and any(sh != REPORTED for sh in job.shards):
+            if job.state is _JOB_COMPLETE and any(sh != REPORTED for sh in job.shards):
                 shards = ", ".join(f"rank {r} {SHARD_NAMES[sh]}" for r, sh in enumerate(job.shards))
                 out.append(("complete_exactly_once", f"a {KIND_NAMES[job.kind]} job committed with {shards}"))
         return out
@@ -1825,12 +2010,14 @@ class Model:
         if c is None:
             c = self._memo_canonical[key] = self.canonical_with_maps(s).state
             return c
-        if _counters(c) == _counters(s):
+        if (
+            c[_S_ARRIVALS] == s[_S_ARRIVALS]
+            and c[_S_RESETS] == s[_S_RESETS]
+            and c[_S_PREEMPTIONS] == s[_S_PREEMPTIONS]
+            and c[_S_EXPIRIES] == s[_S_EXPIRIES]
+        ):
             return c
-        out = list(c)
-        for i in _COUNTERS:
-            out[i] = s[i]
-        return _new(State, out)
+        return _with_counters(c, s[_S_ARRIVALS], s[_S_RESETS], s[_S_PREEMPTIONS], s[_S_EXPIRIES])
 
     def canonical_with_maps(self, s: State) -> Canonical:
         """The representative of ``s``, and how its indices map back to those of ``s``.
@@ -1849,73 +2036,123 @@ class Model:
         rmap[-1] = -1
         gmap: dict[int, int] = {}
         for old in rorder:
-            g = reqs[old].group
+            g = reqs[old][_R_GROUP]
             if g >= 0 and g not in gmap:
                 gmap[g] = len(gmap)
         jobs = s.jobs
         W = self.W
-        wperm = list(range(W))
         if W > 1 and len(jobs) == 1:
             # One job: the ranks ordered by their shard (what the general case below computes, cheaper).
-            wperm = sorted(range(W), key=jobs[0].shards.__getitem__)
+            wperm = _order(list(jobs[0][_J_SHARDS]))
         elif W > 1 and jobs:
             # Order the jobs without looking at which rank holds which shard, then the ranks by their
             # column of shards in that order.
-            pre = sorted(
-                range(len(jobs)),
-                key=lambda j: (
-                    jobs[j][:2],
-                    rmap[jobs[j].req],
-                    gmap.get(jobs[j].group, _FREE_GROUP),
-                    jobs[j][4:7],
-                    sorted(jobs[j].shards),
-                    jobs[j].ignored,
-                    jobs[j].expired,
-                ),
+            pre = _order(
+                [
+                    (
+                        job[:2],
+                        rmap[job[_J_REQ]],
+                        gmap.get(job[_J_GROUP], _FREE_GROUP),
+                        job[4:7],
+                        sorted(job[_J_SHARDS]),
+                        job[_J_IGNORED],
+                        job[_J_EXPIRED],
+                    )
+                    for job in jobs
+                ]
             )
-            cols = [tuple(jobs[j].shards[w] for j in pre) for w in range(W)]
-            wperm = sorted(range(W), key=cols.__getitem__)
-        swap = wperm != list(range(W))
+            wperm = _order([tuple([jobs[j][_J_SHARDS][w] for j in pre]) for w in range(W)])
+        else:
+            wperm = list(range(W))
+        swap = not _is_identity(wperm)
         keyed = []
         for n, job in enumerate(jobs):
-            shards = tuple(job.shards[w] for w in wperm) if swap else job.shards
-            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n)
-            keyed.append((*job[:2], rmap[job[2]], gmap.get(job[3], _FREE_GROUP), *job[4:7], shards, job[8], job[10], n))
+            shards = tuple([job[_J_SHARDS][w] for w in wperm]) if swap else job[_J_SHARDS]
+            # (kind, keys, req, group, state, pending, failed_reports, shards, ignored, expired, n), built
+            # whole rather than from slices
+            keyed.append(
+                (
+                    job[_J_KIND],
+                    job[_J_KEYS],
+                    rmap[job[_J_REQ]],
+                    gmap.get(job[_J_GROUP], _FREE_GROUP),
+                    job[_J_STATE],
+                    job[_J_PENDING],
+                    job[_J_FAILED],
+                    shards,
+                    job[_J_IGNORED],
+                    job[_J_EXPIRED],
+                    n,
+                )
+            )
         keyed.sort()
         jorder = [k[-1] for k in keyed]
         for k in keyed:
-            g = jobs[k[-1]].group
+            g = jobs[k[-1]][_J_GROUP]
             if g not in gmap:
                 gmap[g] = len(gmap)
         tier = s.tier
         torder = sorted(range(len(tier)), key=tier.__getitem__) if len(tier) > 1 else list(range(len(tier)))
         # (gmap numbers the groups in the order it met them: it is the identity iff its keys are 0, 1, ...)
-        if (
-            not swap
-            and rorder == list(range(nr))
-            and jorder == list(range(len(jobs)))
-            and torder == list(range(len(tier)))
-            and list(gmap) == list(range(len(gmap)))
-        ):
-            return Canonical(s, rorder, jorder, gmap, torder, wperm)  # s is its own representative
+        if not swap and _is_identity(rorder) and _is_identity(jorder) and _is_identity(torder) and _is_identity(gmap):
+            return _new(_CANONICAL_CLASS, (s, rorder, jorder, gmap, torder, wperm))  # s is its own representative
         new_reqs = []
         for i in rorder:
             r = reqs[i]
-            g = r.group
-            new_reqs.append(r if g < 0 or gmap[g] == g else _new(Req, (*r[:_R_GROUP], gmap[g], *r[_R_GROUP + 1 :])))
+            g = r[_R_GROUP]
+            if g < 0 or gmap[g] == g:
+                new_reqs.append(r)
+            else:
+                new_reqs.append(_new(_REQ_CLASS, (r[0], r[1], r[2], r[3], r[4], gmap[g], r[6], r[7], r[8])))
         new_jobs = []
         for k in keyed:
             job = jobs[k[-1]]
-            g = gmap[job.group]
-            if k[2] == job.req and g == job.group and k[7] is job.shards:
+            g = gmap[job[_J_GROUP]]
+            if k[2] == job[_J_REQ] and g == job[_J_GROUP] and k[7] is job[_J_SHARDS]:
                 new_jobs.append(job)
             else:
-                new_jobs.append(_new(JobRec, (job.kind, job.keys, k[2], g, *k[4:9], job.world_size, job.expired)))
+                new_jobs.append(
+                    _new(
+                        _JOB_CLASS,
+                        (job[0], job[1], k[2], g, k[4], k[5], k[6], k[7], k[8], job[_J_WORLD], job[_J_EXPIRED]),
+                    )
+                )
         state = _new(
-            State,
-            (s.engine, tuple(new_reqs), tuple(new_jobs), s.slots, s.lru, tuple(tier[c] for c in torder), *s[6:]),
+            _STATE_CLASS,
+            (
+                s[0],
+                tuple(new_reqs),
+                tuple(new_jobs),
+                s[3],
+                s[4],
+                tuple([tier[c] for c in torder]),
+                s[6],
+                s[7],
+                s[8],
+                s[9],
+                s[10],
+                s[11],
+                s[12],
+                s[13],
+                s[14],
+                s[15],
+            ),
         )
-        return Canonical(state, rorder, jorder, gmap, torder, wperm)
+        return _new(_CANONICAL_CLASS, (state, rorder, jorder, gmap, torder, wperm))
+
+
+def _order(keys: list[Any]) -> list[int]:
+    """The positions of ``keys`` in the order of their values, ties keeping their order: what
+    ``sorted(range(len(keys)), key=keys.__getitem__)`` returns, with the two-element case (the most
+    common one: two workers, two jobs) answered by one comparison."""
+    if len(keys) == 2:
+        return [1, 0] if keys[1] < keys[0] else [0, 1]
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def _is_identity(order: Iterable[int]) -> bool:
+    """Whether ``order`` is 0, 1, 2, ... (a list of positions, or a dict's keys in insertion order)."""
+    return all(k == n for n, k in enumerate(order))
 
 
 class Canonical(NamedTuple):
@@ -1929,9 +2166,23 @@ class Canonical(NamedTuple):
     workers: list[int]  #: new rank -> old rank
 
 
-_FREE_GROUP = 1 << 20
-_new = tuple.__new__
-_MISSING: Any = object()
+_FREE_GROUP: Final = 1 << 20
+# The events that Model._memo memoizes.
+_STEP: Final = 0
+_RESET: Final = 1
+_SHUTDOWN: Final = 2
+#: Builds a record or a State from a tuple or list of its fields, at C level (NamedTuple's own __new__ is a
+#: Python function that takes each field as an argument).
+_new: Final = tuple.__new__
+# The record classes as Final names, for _new: the compiled build keeps them in C statics (a class name would
+# be a module-global lookup on every record built).
+_STATE_CLASS: Final = State
+_REQ_CLASS: Final = Req
+_JOB_CLASS: Final = JobRec
+_TIER_CLASS: Final = TierRec
+_CANONICAL_CLASS: Final = Canonical
+_MISSING: Final[Any] = object()
+_T = TypeVar("_T")
 
 
 def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | ModelViolation | None:
@@ -1939,22 +2190,52 @@ def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | Mo
     counter (:data:`_COUNTER_FIELDS`) shifted by as much."""
     if type(r) is not State or was is s:
         return r
-    out: list[Any] | None = None
-    for i, now, then in zip(_COUNTERS, _counters(s), _counters(was), strict=True):
-        d = now - then
-        if d:
-            if out is None:
-                out = list(r)
-            out[i] += d
-    return r if out is None else _new(State, out)
+    arrivals = s[_S_ARRIVALS] - was[_S_ARRIVALS]
+    resets = s[_S_RESETS] - was[_S_RESETS]
+    preemptions = s[_S_PREEMPTIONS] - was[_S_PREEMPTIONS]
+    expiries = s[_S_EXPIRIES] - was[_S_EXPIRIES]
+    if not (arrivals or resets or preemptions or expiries):
+        return r
+    return _with_counters(
+        r,
+        r[_S_ARRIVALS] + arrivals,
+        r[_S_RESETS] + resets,
+        r[_S_PREEMPTIONS] + preemptions,
+        r[_S_EXPIRIES] + expiries,
+    )
 
 
-_TERMINAL_SKIP = (
-    JobState.COMPLETE,
-    JobState.FAILED,
-    JobState.CANCELLED,
-    JobState.STALE,
-    JobState.TIMED_OUT,
+def _with_counters(s: State, arrivals: int, resets: int, preemptions: int, expiries: int) -> State:
+    """``s`` with these counters (:data:`_COUNTER_FIELDS`), the rest of it as it is: one tuple, built whole."""
+    return _new(
+        _STATE_CLASS,
+        (
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            s[5],
+            s[6],
+            s[7],
+            arrivals,
+            resets,
+            preemptions,
+            s[11],
+            s[12],
+            s[13],
+            expiries,
+            s[15],
+        ),
+    )
+
+
+_TERMINAL_SKIP: Final = (
+    _JOB_COMPLETE,
+    _JOB_FAILED,
+    _JOB_CANCELLED,
+    _JOB_STALE,
+    _JOB_TIMED_OUT,
 )
 
 
@@ -1964,14 +2245,21 @@ def _req_sort_key(r: Req) -> tuple[Any, ...]:
 
 def _awaits(jobs: Sequence[Sequence[Any]], i: int) -> bool:
     """Whether the scheduler awaits a job of request ``i`` (a loop: this is asked on every hot path)."""
-    for j in jobs:
-        if j[_J_REQ] == i and (j[_J_STATE] is JobState.SUBMITTED or j[_J_STATE] is JobState.IN_FLIGHT):
+    for j in jobs:  # noqa: SIM110 (a loop, not any() over a generator: no generator object per call)
+        if j[_J_REQ] == i and (j[_J_STATE] is _JOB_SUBMITTED or j[_J_STATE] is _JOB_IN_FLIGHT):
             return True
     return False
 
 
-def _with(shards: tuple[int, ...], rank: int, value: int) -> tuple[int, ...]:
-    return (*shards[:rank], value, *shards[rank + 1 :])
+def _with(items: tuple[_T, ...], i: int, value: _T) -> tuple[_T, ...]:
+    """``items`` with item ``i`` replaced by ``value`` (the one- and two-item cases, the common ones, without
+    slicing)."""
+    n = len(items)
+    if n == 1:
+        return (value,)
+    if n == 2:
+        return (value, items[1]) if i == 0 else (items[0], value)
+    return (*items[:i], value, *items[i + 1 :])
 
 
 def _renumber(reqs: list[list[Any]], field: int, klass: int) -> None:
