@@ -996,27 +996,7 @@ class Model:
             self._memo_finishes[key] = (r.reqs, r.jobs) if isinstance(r, State) else r
             return r
         if isinstance(hit, tuple):
-            return _new(
-                _STATE_CLASS,
-                (
-                    s[0],
-                    hit[0],
-                    hit[1],
-                    s[3],
-                    s[4],
-                    s[5],
-                    s[6],
-                    s[7],
-                    s[8],
-                    s[9],
-                    s[10],
-                    s[11],
-                    s[12],
-                    s[13],
-                    s[14],
-                    s[15],
-                ),
-            )
+            return _with_records(s, hit[0], hit[1], s[5])
         return hit if isinstance(hit, ModelViolation) else None
 
     def _memo_lookup(
@@ -1058,27 +1038,7 @@ class Model:
             _JOB_CLASS,
             (job[0], job[1], job[2], job[3], job[4], job[5], job[6], _with(shards, w, value), job[8], job[9], job[10]),
         )
-        return _new(
-            _STATE_CLASS,
-            (
-                s[0],
-                s[1],
-                _with(jobs, j, new_job),
-                s[3],
-                s[4],
-                s[5],
-                s[6],
-                s[7],
-                s[8],
-                s[9],
-                s[10],
-                s[11],
-                s[12],
-                s[13],
-                s[14],
-                s[15],
-            ),
-        )
+        return _with_records(s, s[1], _with(jobs, j, new_job), s[5])
 
     def _tier_done(self, s: State, c: int, ok: bool) -> State:
         """The tier's I/O for cascade ``c`` ends (ok or failed)."""
@@ -1096,27 +1056,7 @@ class Model:
             for key in rec.keys:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
-        return _new(
-            _STATE_CLASS,
-            (
-                s[0],
-                s[1],
-                s[2],
-                s[3],
-                s[4],
-                tuple(tier),
-                s[6],
-                s[7],
-                s[8],
-                s[9],
-                s[10],
-                s[11],
-                s[12],
-                s[13],
-                s[14],
-                s[15],
-            ),
-        )
+        return _with_records(s, s[1], s[2], tuple(tier))
 
     def _expire(self, s: State, j: int) -> State:
         """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
@@ -2117,27 +2057,7 @@ class Model:
                         (job[0], job[1], k[2], g, k[4], k[5], k[6], k[7], k[8], job[_J_WORLD], job[_J_EXPIRED]),
                     )
                 )
-        state = _new(
-            _STATE_CLASS,
-            (
-                s[0],
-                tuple(new_reqs),
-                tuple(new_jobs),
-                s[3],
-                s[4],
-                tuple([tier[c] for c in torder]),
-                s[6],
-                s[7],
-                s[8],
-                s[9],
-                s[10],
-                s[11],
-                s[12],
-                s[13],
-                s[14],
-                s[15],
-            ),
-        )
+        state = _with_records(s, tuple(new_reqs), tuple(new_jobs), tuple([tier[c] for c in torder]))
         return _new(_CANONICAL_CLASS, (state, rorder, jorder, gmap, torder, wperm))
 
 
@@ -2202,6 +2122,15 @@ def _shift(r: State | ModelViolation | None, was: State, s: State) -> State | Mo
         r[_S_RESETS] + resets,
         r[_S_PREEMPTIONS] + preemptions,
         r[_S_EXPIRIES] + expiries,
+    )
+
+
+def _with_records(s: State, reqs: tuple[Req, ...], jobs: tuple[JobRec, ...], tier: tuple[TierRec, ...]) -> State:
+    """``s`` with these requests, jobs and tier transfers, the rest of it as it is: one tuple, built whole
+    (every field written out, so that the compiled build makes it at once rather than from slices)."""
+    return _new(
+        _STATE_CLASS,
+        (s[0], reqs, jobs, s[3], s[4], tier, s[6], s[7], s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]),
     )
 
 
