@@ -426,9 +426,10 @@ def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
     n = len(graph.states)
     progress_label = [lab[0] not in _NOT_PROGRESS for lab in graph.labels]
     # Reverse adjacency in CSR form: the predecessors of d are rev[start[d]:start[d + 1]]. ``start`` is one
-    # list, first of in-degrees, then of the ends of each range, filled backwards into their starts (a list
-    # rather than an array: both builds index a list natively, and it is one int per state).
-    start = [0] * (n + 1)
+    # array, first of in-degrees, then of the ends of each range, filled backwards into their starts (no
+    # second array). Arrays and a bytearray rather than lists: at the full scope's 20M states a list would
+    # hold a boxed int per state (about 0.8 GB) where the array holds 4 bytes.
+    start = array("i", bytes(4 * (n + 1)))
     for d, lab in zip(graph.dst, graph.label, strict=True):
         if progress_label[lab]:
             start[d] += 1
@@ -442,22 +443,22 @@ def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
         if progress_label[lab]:
             start[d] -= 1
             rev[start[d]] = s
-    live = [False] * n
+    live = bytearray(n)
     stack = [sid for sid, st in enumerate(graph.states) if _is_goal(st)]
     for sid in stack:
-        live[sid] = True
+        live[sid] = 1
     if pruned:
         # Any state with a pruned successor might reach the goal through it: count it as live.
         for sid, st in enumerate(graph.states):
             if not live[sid] and any(nxt is None for _, nxt in model.successors(st)):
-                live[sid] = True
+                live[sid] = 1
                 stack.append(sid)
     while stack:
         d = stack.pop()
         for k in range(start[d], start[d + 1]):
             s = rev[k]
             if not live[s]:
-                live[s] = True
+                live[s] = 1
                 stack.append(s)
     for sid in range(n):
         if not live[sid]:
