@@ -562,3 +562,58 @@ def test_fire_many_evaluates_the_real_guards_per_model() -> None:
     with pytest.raises(InvalidTransition, match="no guard held"):
         sm.fire_many([two, stuck], SlotEvent.END_READ)
     assert (two.state, stuck.state) == (SlotState.READING, SlotState.READING)
+
+
+@pytest.mark.parametrize("name", MACHINE_NAMES)
+def test_fire_many_of_one_model_is_fire_exactly(name: str) -> None:
+    """A batch of one (the single-model shortcut of fire_many): for every state, event and guard valuation
+    it takes fire's row, moves the model the same way, and refuses with the same InvalidTransition text."""
+    spec = load_machine(name)
+    sm = _valuation_machine(name, checked=False)
+    state_enum, event_enum, _ = ENUMS[name]
+    guards = sorted(spec.guards)
+    refused = moved = 0
+    for state in state_enum:
+        for event in event_enum:
+            for valuation in _valuations(guards):
+                alone, batched = ValuationModel(state, valuation), ValuationModel(state, valuation)
+                try:
+                    effect = sm.fire(alone, event)
+                except InvalidTransition as exc:
+                    with pytest.raises(InvalidTransition) as info:
+                        sm.fire_many([batched], event)
+                    assert str(info.value) == str(exc)
+                    assert batched.state is state
+                    refused += 1
+                    continue
+                batch = [batched]
+                groups = sm.fire_many(batch, event)
+                assert groups == [(state, alone.state, effect, batch)] and groups[0][3] is batch
+                assert batched.state is alone.state
+                moved += 1
+    assert refused and moved
+
+
+def test_job_report_guards_are_their_two_premises() -> None:
+    """The report guards, written out as one expression each, equal the spec's prose over every small
+    job: rank_launched_not_reported (0 <= rank < W, launched, not yet reported) and is_last_report (with
+    this report every one of the W ranks has reported), with the failure count for the last-ack pair."""
+    guards = job_machine().guards
+    checked = 0
+    for world in (1, 2, 3):
+        everyone = (1 << world) - 1
+        for launched in range(everyone + 1):
+            for reported in range(everyone + 1):
+                if reported & ~launched:
+                    continue  # reported_mask is always a subset of launched_mask
+                for failed in (0, 1):
+                    job = JobModel(JobState.IN_FLIGHT, world, launched, reported, failed)
+                    for rank in range(-1, world + 1):
+                        premise = 0 <= rank < world and bool(launched >> rank & 1) and not reported >> rank & 1
+                        last = premise and reported | (1 << rank) == everyone
+                        assert guards["acks_still_pending"](job, rank) is (premise and not last)
+                        assert guards["ack_is_last"](job, rank) is last
+                        assert guards["last_ack_clean"](job, rank) is (last and failed == 0)
+                        assert guards["last_ack_after_failure"](job, rank) is (last and failed > 0)
+                        checked += 1
+    assert checked > 300

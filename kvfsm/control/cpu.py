@@ -37,9 +37,11 @@ from kvfsm.validation import is_int
 __all__ = ["CPUCounters", "CPUOffloadingManager", "CPUStats", "Slot", "SlotModel", "is_evictable"]
 
 _EMPTY_STORE = PrepareStoreOutput((), SlotSpec(()), ())
+_NO_KEYS: frozenset[OffloadKey] = frozenset()
 _READABLE = (SlotState.READY, SlotState.READING)
 # Enum members read through their class cost a descriptor call each (Python 3.11): the hot paths use these.
 _WRITING, _READY = SlotState.WRITING, SlotState.READY
+_EMIT_STORED = SlotEffect.EMIT_STORED
 _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 _by_seq = attrgetter("seq")
 
@@ -214,6 +216,7 @@ class CPUOffloadingManager(OffloadingManager):
         "_num_slots",
         "_num_writing",
         "_policy",
+        "_request_scoped",
         "_requests",
         "_slots",
         "_stats",
@@ -240,7 +243,9 @@ class CPUOffloadingManager(OffloadingManager):
             raise ConfigError(f"max_tracker_size={max_tracker_size!r}; expected an int >= 1")
         self._num_slots = num_slots
         self._policy: CachePolicy = make_policy(policy, capacity=num_slots)
-        if num_slots == 0 and not self._policy.request_scoped:
+        # Read once: the policy is fixed for the manager's life, and the store paths branch on it per call.
+        self._request_scoped = self._policy.request_scoped
+        if num_slots == 0 and not self._request_scoped:
             # vLLM runs a manager with no chunks (its spec computes 0 when cpu_bytes_to_use is below one
             # chunk); kvfsm's own engine treats a CPU tier without slots as the misconfiguration it is.
             raise ConfigError(
@@ -419,7 +424,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _access(self, ctx: ReqContext) -> RequestAccess | None:
         """The request's access record (created on first use) when the policy is request-scoped."""
-        if not self._policy.request_scoped:
+        if not self._request_scoped:
             return None
         access = self._requests.get(ctx.req_id)
         if access is None:
@@ -478,25 +483,22 @@ class CPUOffloadingManager(OffloadingManager):
         policy also learns from the offer (ghost hits, the request's prefix order) before any early return.
         """
         slots = self._slots
-        offered = list(dict.fromkeys(keys))
-        if self._counts is not None:
+        offered = list(dict.fromkeys(keys)) if len(keys) > 1 else list(keys)
+        counts = self._counts
+        if counts is not None:
             self._count_offers(offered)
         new_keys: list[OffloadKey] = []
-        ready_held: list[OffloadKey] = []
-        for key in offered:
-            slot = slots.get(key)
-            if slot is None:
+        for key in offered:  # a plain loop: most offers are one or two keys, and a comprehension is a call
+            if key not in slots:
                 new_keys.append(key)
-            elif slot.state is not _WRITING:
-                ready_held.append(key)
-        counts = self._counts
         if counts is not None:
             threshold = self._store_threshold
             admitted = [key for key in new_keys if counts.get(key, 0) >= threshold]
             self._stats.stores_skipped += len(new_keys) - len(admitted)
             new_keys = admitted
-        access = self._access(ctx)
+        access = self._access(ctx) if self._request_scoped else None
         if access is not None:
+            ready_held = [key for key in offered if (slot := slots.get(key)) is not None and slot.state is not _WRITING]
             misses = [key for key in new_keys if key not in access.store_misses]
             if misses:
                 self._policy.on_store_miss(misses)  # before insert() drops the ghosts
@@ -507,7 +509,9 @@ class CPUOffloadingManager(OffloadingManager):
             return _EMPTY_STORE
         self._allocation_sizes[len(new_keys)] += 1
         # Every held key offered (in any state) is protected: not re-stored, and not evicted by this call.
-        reserved = self._reserve(new_keys, slots.keys() & set(offered), access)
+        # Only an eviction reads the set, so it is built only when the new keys do not fit the free slots.
+        evicting = len(new_keys) > self._num_slots - len(slots)
+        reserved = self._reserve(new_keys, slots.keys() & set(offered) if evicting else _NO_KEYS, access)
         if reserved is None:
             return None
         slot_ids, evicted = reserved
@@ -547,7 +551,7 @@ class CPUOffloadingManager(OffloadingManager):
         """
         slots = self._slots
         writing = [slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is _WRITING]
-        if self.enable_events or not self._policy.request_scoped or tracing():
+        if len(writing) > 1 and (self.enable_events or not self._request_scoped or tracing()):
             # The order is seen (events, a commit-order policy's insertions, tracers): reservation order.
             # A request-scoped policy marks the batch ready as a set, so it needs none.
             writing.sort(key=_by_seq)
@@ -733,7 +737,9 @@ class CPUOffloadingManager(OffloadingManager):
         self, new_keys: list[OffloadKey], protected: Set[OffloadKey], access: RequestAccess | None = None
     ) -> tuple[tuple[int, ...], tuple[OffloadKey, ...]] | None:
         """Evict what is needed, then BEGIN_WRITE a slot per (absent, distinct) key; None if it can't fit."""
-        need = len(new_keys) - self.num_free
+        slots = self._slots
+        n = len(new_keys)
+        need = n - (self._num_slots - len(slots))
         victims: list[OffloadKey] = []
         if need > 0:
             if need > self._num_ready:
@@ -744,19 +750,20 @@ class CPUOffloadingManager(OffloadingManager):
             victims = chosen
             self._evict(victims)
         machine = self._machine
-        ids = self._alloc_ids(len(new_keys))
+        ids = self._alloc_ids(n)
         seq = self._next_seq
-        fresh = [
-            Slot(key, slot_id, seq + i, machine=machine)
-            for i, (key, slot_id) in enumerate(zip(new_keys, ids, strict=True), 1)
-        ]
+        fresh: list[Slot] = []
+        for key, slot_id in zip(new_keys, ids, strict=True):  # a plain loop: a comprehension costs a call per batch
+            seq += 1
+            fresh.append(Slot(key, slot_id, seq, machine=machine))
         machine.fire_many(fresh, SlotEvent.BEGIN_WRITE, distinct=True)  # absent -> writing: one row for all
-        self._slots.update(zip(new_keys, fresh, strict=True))
-        self._next_seq = seq + len(new_keys)
-        if self._policy.request_scoped:
+        for slot in fresh:
+            slots[slot.key] = slot
+        self._next_seq = seq
+        if self._request_scoped:
             self._policy.insert_pending(new_keys, access)  # held (not evictable) while being written
-        self._num_writing += len(new_keys)
-        return tuple(ids), tuple(victims)
+        self._num_writing += n
+        return ids, tuple(victims)
 
     def _evict(self, victims: list[OffloadKey]) -> None:
         """Victims already left the policy; free their slots and report them removed."""
@@ -779,33 +786,37 @@ class CPUOffloadingManager(OffloadingManager):
         if not slots_written:
             return
         policy = self._policy
-        holds_writing = policy.request_scoped
-        slots = self._slots
-        writing = [slot.key for slot in slots_written]
+        holds_writing = self._request_scoped
+        n = len(slots_written)
         if success:
+            emit = self.enable_events
             stored: list[OffloadKey] = []
-            groups = self._machine.fire_many(slots_written, SlotEvent.COMMIT_WRITE, distinct=True)
-            for _source, dest, effect, members in groups:
-                if effect is SlotEffect.EMIT_STORED and self.enable_events:
-                    stored.extend(writing if members is slots_written else [slot.key for slot in members])
+            for _source, dest, effect, members in self._machine.fire_many(
+                slots_written, SlotEvent.COMMIT_WRITE, distinct=True
+            ):
+                if effect is _EMIT_STORED and emit:
+                    stored.extend([slot.key for slot in members])
                 if not holds_writing:
                     evictable = is_evictable(dest)
+                    insert = policy.insert
                     for slot in members:
-                        policy.insert(slot.key, evictable=evictable)
+                        insert(slot.key, evictable=evictable)
             if holds_writing:
-                policy.mark_ready_many(writing)  # one batch: a request-scoped policy re-heaps once
-            self._num_ready += len(writing)
+                # One batch: a request-scoped policy re-heaps once.
+                policy.mark_ready_many([slot.key for slot in slots_written])
+            self._num_ready += n
             if promotion:
-                self._stats.promotions_committed += len(writing)
+                self._stats.promotions_committed += n
             else:
-                self._stats.stores_committed += len(writing)
-            if stored and self.enable_events:
+                self._stats.stores_committed += n
+            if stored:
                 self._events.append(OffloadingEvent(tuple(stored), self._medium, removed=False))
         else:
+            slots = self._slots
+            writing = [slot.key for slot in slots_written]
             released: list[OffloadKey] = []
-            aborted = slots_written
             for _source, _dest, effect, members in self._machine.fire_many(
-                aborted, SlotEvent.ABORT_WRITE, distinct=True
+                slots_written, SlotEvent.ABORT_WRITE, distinct=True
             ):
                 if effect is SlotEffect.EMIT_REMOVED:
                     released.extend([slot.key for slot in members])
@@ -814,27 +825,28 @@ class CPUOffloadingManager(OffloadingManager):
             if holds_writing:
                 for key in writing:
                     policy.remove(key)
-            self._free_ids.extend([slot.slot_id for slot in aborted])
+            self._free_ids.extend([slot.slot_id for slot in slots_written])
             if released and self.enable_events:
                 # Never announced as stored; the removal tells listeners to drop their bookkeeping.
                 self._events.append(OffloadingEvent(tuple(released), self._medium, removed=True, metadata_only=True))
             if promotion:
-                self._stats.promotions_failed += len(writing)
+                self._stats.promotions_failed += n
             else:
-                self._stats.stores_failed += len(writing)
-        self._num_writing -= len(writing)
+                self._stats.stores_failed += n
+        self._num_writing -= n
 
-    def _alloc_ids(self, n: int) -> list[int]:
+    def _alloc_ids(self, n: int) -> tuple[int, ...]:
         """``n`` ids: never-used ones first (ascending), then the most recently freed ones, last freed
         first (vLLM's chunk-pool order). The caller made room for ``n``."""
         first = self._next_id
-        fresh = min(n, self._num_slots - first)
-        ids = list(range(first, first + fresh))
-        self._next_id = first + fresh
-        if fresh < n:
-            free = self._free_ids
-            reused = free[len(free) - (n - fresh) :]
-            del free[len(free) - (n - fresh) :]
-            reused.reverse()
-            ids.extend(reused)
-        return ids
+        if n <= self._num_slots - first:  # never-used ids only (until the pool has been used once)
+            self._next_id = first + n
+            return tuple(range(first, first + n))
+        fresh = self._num_slots - first
+        self._next_id = self._num_slots
+        free = self._free_ids
+        cut = len(free) - (n - fresh)
+        reused = free[cut:]
+        del free[cut:]
+        reused.reverse()
+        return (*range(first, first + fresh), *reused)

@@ -14,6 +14,12 @@ from kvfsm.machines.names import JOB_TERMINAL, JobEffect, JobEvent, JobKind, Job
 
 __all__ = ["Job", "Quarantined"]
 
+# Enum members read through their class cost a descriptor call each (Python 3.11): every job's launch,
+# report and commit reads these.
+_SUBMITTED, _IN_FLIGHT = JobState.SUBMITTED, JobState.IN_FLIGHT
+_LAUNCH, _ACK, _FAIL = JobEvent.LAUNCH, JobEvent.ACK, JobEvent.FAIL
+_START_COPY = JobEffect.START_COPY
+
 
 class Job:
     """One job from planning to its terminal outcome; only ``launch/ack/fail/cancel/discard/time_out``
@@ -60,7 +66,7 @@ class Job:
         self.launched_mask = 0
         self.reported_mask = 0
         self.failed_reports = 0
-        self.state = JobState.SUBMITTED
+        self.state = _SUBMITTED
         self.machine = machine if machine is not None else job_machine()
 
     @override
@@ -79,9 +85,9 @@ class Job:
         """Worker ``rank`` starts its shard; True means the caller must start the copy."""
         if not 0 <= rank < self.world_size:
             raise AckCountError(f"job {self.job_id}: worker rank {rank} outside 0..{self.world_size - 1}")
-        effect = self.machine.fire(self, JobEvent.LAUNCH, rank)
+        effect = self.machine.fire(self, _LAUNCH, rank)
         self.launched_mask |= 1 << rank
-        return effect is JobEffect.START_COPY
+        return effect is _START_COPY
 
     @property
     def pending(self) -> int:
@@ -90,7 +96,7 @@ class Job:
 
     def check_report(self, rank: int) -> None:
         """Raise :class:`AckCountError` unless ``rank`` launched this in-flight job and has not reported it."""
-        if self.state is not JobState.IN_FLIGHT:
+        if self.state is not _IN_FLIGHT:
             return  # the machine itself decides (a refusal before launch, or InvalidTransition)
         if not 0 <= rank < self.world_size:
             raise AckCountError(f"job {self.job_id}: worker rank {rank} outside 0..{self.world_size - 1}")
@@ -99,26 +105,31 @@ class Job:
         if (self.reported_mask >> rank) & 1:
             raise AckCountError(f"job {self.job_id}: rank {rank} already reported")
 
-    def ack(self, rank: int = 0) -> JobEffect | None:
+    def ack(self, rank: int = 0, *, validated: bool = False) -> JobEffect | None:
         """Record worker ``rank``'s successful report.
 
         Returns the effect: COMMIT exactly once when the last of the W ranks reports and all succeeded,
         RELEASE when the last reports after a failure, None while other ranks are still pending.
         Raises :class:`AckCountError` (changing nothing) for a rank that never launched or already reported.
+        ``validated=True`` says the caller has just run :meth:`check_report` for this rank (the scheduler
+        checks a whole output before it applies any report); the machine's guards still refuse a bad rank.
         """
-        self.check_report(rank)
-        effect = self.machine.fire(self, JobEvent.ACK, rank)
+        if not validated:
+            self.check_report(rank)
+        effect = self.machine.fire(self, _ACK, rank)
         self.reported_mask |= 1 << rank
         return effect
 
-    def fail(self, rank: int = 0) -> JobEffect | None:
+    def fail(self, rank: int = 0, *, validated: bool = False) -> JobEffect | None:
         """Record worker ``rank``'s failed report; RELEASE once every rank has reported.
 
         Before any launch (a tier refused the submission) the job fails at once and ``rank`` is not recorded.
+        ``validated`` as for :meth:`ack`.
         """
-        self.check_report(rank)
-        launched = self.state is JobState.IN_FLIGHT
-        effect = self.machine.fire(self, JobEvent.FAIL, rank)
+        if not validated:
+            self.check_report(rank)
+        launched = self.state is _IN_FLIGHT
+        effect = self.machine.fire(self, _FAIL, rank)
         if launched:
             self.reported_mask |= 1 << rank
             self.failed_reports += 1

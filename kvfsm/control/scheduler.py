@@ -69,6 +69,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Enum members read through their class cost a descriptor call each (Python 3.11): the per-job paths use these.
+_IN_FLIGHT = JobState.IN_FLIGHT
+_COMMIT, _RELEASE = JobEffect.COMMIT, JobEffect.RELEASE
+_STORE, _LOAD = JobKind.STORE, JobKind.LOAD
+_RUNNING, _FINISHED_SIGNALLED = RequestState.RUNNING, RequestState.FINISHED_SIGNALLED
+_NO_RANKS: frozenset[int] = frozenset()
+
+
+def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
+    """The reporting ranks, lowest first (so a refusal names the same rank every time); one rank as it is."""
+    return ranks if len(ranks) < 2 else sorted(ranks)
+
 
 class PendingJob(Protocol):
     """What :func:`pending_push_work` may read of an awaited job (a :class:`Job`, or a model checker's record)."""
@@ -624,7 +636,7 @@ class OffloadingScheduler:
         new_stores: dict[int, Job] = {}
         for sched in output.scheduled:
             st = self._requests[sched.req_id]
-            if st.state is RequestState.RUNNING:
+            if st.state is _RUNNING:
                 self._plan_stores(st, sched.num_scheduled_tokens, new_stores)
         finished = list(self._finished_unsignalled.values())
         self._finished_unsignalled.clear()
@@ -744,66 +756,71 @@ class OffloadingScheduler:
         anything: a report from a rank that never launched the job, a second report from one rank (or a
         rank reporting both success and failure) raises :class:`AckCountError`."""
         threshold = self._stale_threshold
-        for job_id in output.job_ids():
-            ok: AbstractSet[int] = output.completed.get(job_id, frozenset())
-            bad: AbstractSet[int] = output.failed.get(job_id, frozenset())
-            what = "failures" if bad else "acks"
+        completed, failed = output.completed, output.failed
+        jobs, quarantine = self._jobs, self._quarantine
+        # Most steps report only successes: then the jobs are completed's keys, in the same order.
+        for job_id in output.job_ids() if failed else completed:
+            ok: AbstractSet[int] = completed.get(job_id, _NO_RANKS)
+            bad: AbstractSet[int] = failed.get(job_id, _NO_RANKS) if failed else _NO_RANKS
             if job_id < 0:
                 raise UnknownJobError(
-                    f"worker reported {what} for job {job_id}, an id the scheduler never issues; "
-                    f"expected an id >= 0 (ids {threshold}..{self._job_counter - 1} are current)"
+                    f"worker reported {'failures' if bad else 'acks'} for job {job_id}, an id the scheduler "
+                    f"never issues; expected an id >= 0 (ids {threshold}..{self._job_counter - 1} are current)"
                 )
             if job_id < threshold:
                 continue
             if not ok and not bad:
                 raise AckCountError(f"job {job_id}: a report that names no worker rank")
-            if ok & bad:
+            if bad and ok & bad:
                 raise AckCountError(f"job {job_id}: ranks {sorted(ok & bad)} reported both success and failure")
-            job = self._jobs.get(job_id)
+            ranks = ok | bad if bad else ok
+            job = jobs.get(job_id)
             if job is None:
-                late = self._quarantine.get(job_id)
+                late = quarantine.get(job_id)
                 if late is None:
                     raise UnknownJobError(
-                        f"worker reported {what} for job {job_id}, which is not awaited "
+                        f"worker reported {'failures' if bad else 'acks'} for job {job_id}, which is not awaited "
                         f"(ids {threshold}..{self._job_counter - 1} are current)"
                     )
-                for rank in sorted(ok | bad):
+                for rank in _in_rank_order(ranks):
                     late.check_report(rank)
                 continue
-            if job.state is not JobState.IN_FLIGHT:
-                raise AckCountError(f"job {job_id}: ranks {sorted(ok | bad)} reported a job no rank launched")
-            for rank in sorted(ok | bad):
+            if job.state is not _IN_FLIGHT:
+                raise AckCountError(f"job {job_id}: ranks {sorted(ranks)} reported a job no rank launched")
+            for rank in _in_rank_order(ranks):
                 job.check_report(rank)
-        for reports, success in ((output.failed, False), (output.completed, True)):
+        # Every report was checked above against the state it is applied in (each job's ranks are distinct,
+        # and only its last report ends it), so the job does not check them again.
+        for reports, success in ((failed, False), (completed, True)):
             for job_id, ranks in reports.items():
                 if job_id < threshold:
                     self.stats.stale_reports_ignored += 1
                     continue
-                for rank in sorted(ranks):
-                    if job_id in self._quarantine:
+                for rank in _in_rank_order(ranks):
+                    if job_id in quarantine:
                         self._late_report(job_id, rank)
                         continue
-                    job = self._jobs.get(job_id)
+                    job = jobs.get(job_id)
                     if job is None:
                         break  # released by this output's last report (a late one, or the job's W-th)
-                    self._finish(job, job.ack(rank) if success else job.fail(rank))
+                    self._finish(job, job.ack(rank, validated=True) if success else job.fail(rank, validated=True))
 
     def _finish(self, job: Job, effect: JobEffect | None, *, timed_out: bool = False) -> None:
         """Carry out a job effect: COMMIT completes the job on the manager, RELEASE rolls it back."""
-        match effect:
-            case None | JobEffect.START_COPY:  # START_COPY is the workers'; the scheduler never fires launch
-                return
-            case JobEffect.COMMIT:
-                ok = True
-            case JobEffect.RELEASE:
-                ok = False
+        # None, or START_COPY (the workers'; the scheduler never fires launch): nothing to carry out.
+        if effect is _COMMIT:
+            ok = True
+        elif effect is _RELEASE:
+            ok = False
+        else:
+            return
         st = self._requests.get(job.req_id)
         ctx = st.ctx if st is not None else ReqContext(job.req_id)
         # A timed-out job's launched copies may still be running: keep its memory until they report.
         outstanding = job.launched_mask & ~job.reported_mask if timed_out else 0
         if outstanding:
             self._quarantine[job.job_id] = Quarantined(job, ctx, outstanding)
-        if job.kind is JobKind.STORE:
+        if job.kind is _STORE:
             if outstanding <= 0:
                 self.manager.complete_store(job.keys, ctx, success=ok)
             if ok:
@@ -824,16 +841,17 @@ class OffloadingScheduler:
                 else:
                     self.stats.failed_loads += 1
                 self._load_errors[job.req_id] = job.gpu.block_ids
-        self._unfence(job.job_id)
+        if self._job_fence_blocks:  # only a finished request's stores are fenced
+            self._unfence(job.job_id)
         del self._jobs[job.job_id]
         if st is None:
             return
         st.jobs.discard(job.job_id)
-        if job.kind is JobKind.LOAD:
+        if job.kind is _LOAD:
             st.load_job = None
             if st.state is RequestState.LOADING:
                 self._fire(st, RequestEvent.LOAD_DONE)
-        if st.state is RequestState.FINISHED_SIGNALLED and not st.jobs:
+        if st.state is _FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
 
     def _late_report(self, job_id: int, rank: int) -> None:

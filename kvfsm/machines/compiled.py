@@ -412,6 +412,16 @@ class SpecMachine(Generic[S, E, F]):
             return []
         if self.checked or _tracer is not None:
             return self._fire_many_observed(models, event, arg)
+        if len(models) == 1:
+            # A batch of one (a store of one chunk, the common step): the row ``fire`` takes, no grouping.
+            model = models[0]
+            state = model.state
+            for guard, dest, effect in self._table.get((state, event), ()):
+                if guard is None or guard(model, arg):
+                    model.state = dest
+                    return [(state, dest, effect, models)]
+            detail = "no guard held" if (state, event) in self._table else ""
+            raise InvalidTransition(self.spec.name, str(state), str(event), detail)
         if not distinct and len(set(map(id, models))) != len(models):
             self._raise_duplicate(models, event)
         state = models[0].state

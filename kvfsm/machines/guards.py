@@ -69,20 +69,47 @@ def _is_last_report(job: _JobModel, rank: int) -> bool:
     return job.reported_mask | (1 << rank) == (1 << job.world_size) - 1
 
 
+# The report guards below are rank_launched_not_reported and is_last_report (or its negation) written out
+# in one expression each: a guard runs on every ack of every job, and each nested call is a Python frame.
+# tests/test_compiled.py checks them against the two premises over every small mask.
+
+
 def _acks_still_pending(job: _JobModel, rank: int) -> bool:
-    return _rank_launched_not_reported(job, rank) and not _is_last_report(job, rank)
+    reported, everyone = job.reported_mask, (1 << job.world_size) - 1
+    return (
+        0 <= rank < job.world_size
+        and bool((job.launched_mask & ~reported) >> rank & 1)
+        and reported | (1 << rank) != everyone
+    )
 
 
 def _ack_is_last(job: _JobModel, rank: int) -> bool:
-    return _rank_launched_not_reported(job, rank) and _is_last_report(job, rank)
+    reported, everyone = job.reported_mask, (1 << job.world_size) - 1
+    return (
+        0 <= rank < job.world_size
+        and bool((job.launched_mask & ~reported) >> rank & 1)
+        and reported | (1 << rank) == everyone
+    )
 
 
 def _last_ack_clean(job: _JobModel, rank: int) -> bool:
-    return _ack_is_last(job, rank) and job.failed_reports == 0
+    reported, everyone = job.reported_mask, (1 << job.world_size) - 1
+    return (
+        job.failed_reports == 0
+        and 0 <= rank < job.world_size
+        and bool((job.launched_mask & ~reported) >> rank & 1)
+        and reported | (1 << rank) == everyone
+    )
 
 
 def _last_ack_after_failure(job: _JobModel, rank: int) -> bool:
-    return _ack_is_last(job, rank) and job.failed_reports > 0
+    reported, everyone = job.reported_mask, (1 << job.world_size) - 1
+    return (
+        job.failed_reports > 0
+        and 0 <= rank < job.world_size
+        and bool((job.launched_mask & ~reported) >> rank & 1)
+        and reported | (1 << rank) == everyone
+    )
 
 
 def _other_readers_remain(slot: _SlotModel, _: int) -> bool:
