@@ -46,6 +46,13 @@ _MISS, _HIT, _HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HI
 _by_seq = attrgetter("seq")
 
 
+def _tally(answers: Mapping[OffloadKey, LookupResult]) -> tuple[int, int, int]:
+    """(hits, misses, hit_pending) among a request's latest answers: three counts in C, where a Counter
+    would cost more than the request's few lookups (it runs once per finished request)."""
+    results = list(answers.values())
+    return results.count(_HIT), results.count(_MISS), results.count(_HIT_PENDING)
+
+
 def is_evictable(state: SlotState) -> bool:
     """Whether eviction may take a slot in ``state``: the spec's only ``evict`` row leaves ``ready``.
 
@@ -395,22 +402,22 @@ class CPUOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _fold_into(counts: dict[str, int], answers: Mapping[OffloadKey, LookupResult]) -> None:
-        by_result = Counter(answers.values())
+        hits, misses, hit_pending = _tally(answers)
         counts["lookups"] += len(answers)
-        counts["hits"] += by_result[LookupResult.HIT]
-        counts["misses"] += by_result[LookupResult.MISS]
-        counts["hit_pending"] += by_result[LookupResult.HIT_PENDING]
+        counts["hits"] += hits
+        counts["misses"] += misses
+        counts["hit_pending"] += hit_pending
 
     def _fold_answers(self, req_id: str) -> None:
         """Count a finished request's lookups (each key once, under its latest answer)."""
         answers = self._answers.pop(req_id, None)
         if answers:
-            by_result = Counter(answers.values())
+            hits, misses, hit_pending = _tally(answers)
             stats = self._stats
             stats.lookups += len(answers)
-            stats.hits += by_result[LookupResult.HIT]
-            stats.misses += by_result[LookupResult.MISS]
-            stats.hit_pending += by_result[LookupResult.HIT_PENDING]
+            stats.hits += hits
+            stats.misses += misses
+            stats.hit_pending += hit_pending
 
     @override
     def on_new_request(self, ctx: ReqContext, key_position: KeyPosition | None = None) -> None:
@@ -841,7 +848,7 @@ class CPUOffloadingManager(OffloadingManager):
         first = self._next_id
         if n <= self._num_slots - first:  # never-used ids only (until the pool has been used once)
             self._next_id = first + n
-            return tuple(range(first, first + n))
+            return (first,) if n == 1 else tuple(range(first, first + n))
         fresh = self._num_slots - first
         self._next_id = self._num_slots
         free = self._free_ids

@@ -35,6 +35,9 @@ __all__ = [
     "with_timeout",
 ]
 
+# Enum members read through their class cost a descriptor call each (Python 3.11).
+_STORE, _LOAD, _CASCADE = JobKind.STORE, JobKind.LOAD, JobKind.CASCADE
+
 logger = logging.getLogger(__name__)
 
 #: Seconds on a monotonic scale; ``time.monotonic`` in production, a :class:`ManualClock` in tests.
@@ -93,11 +96,11 @@ class Deadlines:
         return cls(None, None, None, None, None, None)
 
     def for_kind(self, kind: JobKind) -> float | None:
-        if kind is JobKind.STORE:
+        if kind is _STORE:  # once per job planned
             return self.store_s
-        if kind is JobKind.LOAD:
+        if kind is _LOAD:
             return self.load_s
-        if kind is JobKind.CASCADE:
+        if kind is _CASCADE:
             return self.cascade_s
         return self.promote_s
 

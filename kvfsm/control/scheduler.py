@@ -402,15 +402,16 @@ class OffloadingScheduler:
         st: RequestRecord,
         keys: tuple[OffloadKey, ...],
         gpu: GPUBlockSpec,
-        slots: tuple[int, ...],
+        slots: SlotSpec,
     ) -> Job:
+        """A job over the manager's own (frozen) slot spec: no copy of it per job."""
         job = Job(
             self._job_counter,
             kind,
             st.ctx.req_id,
             keys,
             gpu,
-            SlotSpec(slots),
+            slots,
             self.config.world_size,
             self._job_machine,
         )
@@ -544,7 +545,7 @@ class OffloadingScheduler:
         st.block_ids = list(block_ids)
         self._batch.allocated.update(fresh)
         gpu = GPUBlockSpec(tuple(block_ids[first_block:end_block]), first_block % bpc)
-        job = self._new_job(JobKind.LOAD, st, keys, gpu, slots.slot_ids)
+        job = self._new_job(JobKind.LOAD, st, keys, gpu, slots)
         st.load_job = job.job_id
         st.next_stored_chunk = end_block // bpc  # chunk-level: the loaded chunks are not stored again
         self._chunks_being_loaded.update(keys)
@@ -741,7 +742,7 @@ class OffloadingScheduler:
                 c = index[key]
                 blocks.extend(st.block_ids[c * bpc : (c + 1) * bpc])
         gpu = GPUBlockSpec(tuple(blocks), 0)
-        job = self._new_job(JobKind.STORE, st, prepared.keys_to_store, gpu, prepared.store_spec.slot_ids)
+        job = self._new_job(_STORE, st, prepared.keys_to_store, gpu, prepared.store_spec)
         self.stats.store_jobs += 1
         out[job.job_id] = job
         if st.state is RequestState.FINISHED_UNSIGNALLED:
