@@ -59,19 +59,12 @@ def _worker_not_launched(job: _JobModel, rank: int) -> bool:
     return not (job.launched_mask >> rank) & 1
 
 
-def _rank_launched_not_reported(job: _JobModel, rank: int) -> bool:
-    """The reporting ``rank`` launched the job and has not reported it yet (every report guard's premise)."""
-    return 0 <= rank < job.world_size and bool((job.launched_mask & ~job.reported_mask) >> rank & 1)
-
-
-def _is_last_report(job: _JobModel, rank: int) -> bool:
-    """``rank``'s report completes the set: every one of the W ranks has then launched and reported."""
-    return job.reported_mask | (1 << rank) == (1 << job.world_size) - 1
-
-
-# The report guards below are rank_launched_not_reported and is_last_report (or its negation) written out
-# in one expression each: a guard runs on every ack of every job, and each nested call is a Python frame.
-# tests/test_compiled.py checks them against the two premises over every small mask.
+# Every report guard is built from two premises (spec/job.toml):
+# - rank_launched_not_reported: 0 <= rank < W, and the reporting rank launched the job and has not reported it;
+# - is_last_report: with this report every one of the W ranks has reported (reported_mask | 1 << rank is all W).
+# Each guard below writes them out in one expression: a guard runs on every report of every job, and a
+# nested call per premise is a Python frame each. tests/test_compiled.py checks the four guards against
+# the premises over every small job.
 
 
 def _acks_still_pending(job: _JobModel, rank: int) -> bool:
