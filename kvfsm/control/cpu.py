@@ -557,7 +557,11 @@ class CPUOffloadingManager(OffloadingManager):
         reservation order.
         """
         slots = self._slots
-        writing = [slot for key in set(keys) if (slot := slots.get(key)) is not None and slot.state is _WRITING]
+        # Deduplicated in the order given: a job's keys come in reservation order already, and sorting a
+        # sorted list is one linear pass (a set's order would make it a full sort).
+        writing = [
+            slot for key in dict.fromkeys(keys) if (slot := slots.get(key)) is not None and slot.state is _WRITING
+        ]
         if len(writing) > 1 and (self.enable_events or not self._request_scoped or tracing()):
             # The order is seen (events, a commit-order policy's insertions, tracers): reservation order.
             # A request-scoped policy marks the batch ready as a set, so it needs none.
