@@ -808,10 +808,7 @@ class CPUOffloadingManager(OffloadingManager):
                 if effect is _EMIT_STORED and emit:
                     stored.extend([slot.key for slot in members])
                 if not holds_writing:
-                    evictable = is_evictable(dest)
-                    insert = policy.insert
-                    for slot in members:
-                        insert(slot.key, evictable=evictable)
+                    policy.insert_many([slot.key for slot in members], evictable=is_evictable(dest))
             if holds_writing:
                 # One batch: a request-scoped policy re-heaps once.
                 policy.mark_ready_many([slot.key for slot in slots_written])

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
@@ -75,6 +75,12 @@ _COMMIT, _RELEASE = JobEffect.COMMIT, JobEffect.RELEASE
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
 _RUNNING, _FINISHED_SIGNALLED = RequestState.RUNNING, RequestState.FINISHED_SIGNALLED
 _NO_RANKS: frozenset[int] = frozenset()
+#: The states a lookup needs (a waiting request).
+_LOOKUP_STATES = frozenset((RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED))
+_MISS, _HIT = LookupResult.MISS, LookupResult.HIT
+#: What :func:`make_offload_key` appends to a block hash for group 0 (the connector's one group): the
+#: request's keys are made in one comprehension, not a call per key.
+_GROUP_0_SUFFIX = make_offload_key(b"")
 
 
 def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
@@ -248,6 +254,12 @@ class OffloadingScheduler:
         queue their deadlines wait in (default a fresh :class:`DeadlineQueue`; the model-based replay passes
         one that holds each deadline back until the checker's event passes it, spec/README.md "Deadlines")."""
         self.config = config
+        # The geometry, read on every lookup, allocation and store plan (the config is frozen).
+        self._tpb = config.tokens_per_block
+        self._bpc = config.blocks_per_chunk
+        self._tpc = config.tokens_per_chunk
+        self._world_size = config.world_size
+        self._prompt_only = config.offload_prompt_only
         self.manager = manager
         self._job_machine = job_machine(checked)
         self._req_machine: SpecMachine[RequestState, RequestEvent, RequestEffect] = request_machine(checked)
@@ -375,14 +387,16 @@ class OffloadingScheduler:
     def _keys(self, st: RequestRecord, request: OffloadRequest) -> list[OffloadKey]:
         """One key per full chunk: the hash of the chunk's last block."""
         hashes = request.block_hashes
-        return self._keys_upto(st, hashes, len(hashes) // self.config.blocks_per_chunk)
+        return self._keys_upto(st, hashes, len(hashes) // self._bpc)
 
     def _keys_upto(self, st: RequestRecord, hashes: Sequence[bytes], stop: int) -> list[OffloadKey]:
         """The request's keys of chunks ``0..stop-1`` (cached on the record: each key is made once)."""
         keys = st.keys
         if len(keys) < stop:
-            bpc = self.config.blocks_per_chunk
-            keys.extend(make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(keys), stop))
+            bpc = self._bpc
+            # Chunk i's key is make_offload_key(hashes[i * bpc + bpc - 1]): one slice, one concatenation each.
+            last_hashes = hashes[len(keys) * bpc + bpc - 1 : stop * bpc : bpc]
+            keys.extend(cast("list[OffloadKey]", [h + _GROUP_0_SUFFIX for h in last_hashes]))
         return keys
 
     def _chunk_keys(self, st: RequestRecord, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
@@ -412,7 +426,7 @@ class OffloadingScheduler:
             keys,
             gpu,
             slots,
-            self.config.world_size,
+            self._world_size,
             self._job_machine,
         )
         self._job_counter += 1
@@ -455,7 +469,7 @@ class OffloadingScheduler:
         if st is None:
             self.on_new_request(request)
             st = self._requests[request.req_id]
-        if st.state not in (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED):
+        if st.state not in _LOOKUP_STATES:
             raise KvfsmError(
                 f"request {request.req_id!r} is {st.state.value}; a lookup needs a waiting request "
                 "(tracked, deferred or preempted)"
@@ -465,23 +479,24 @@ class OffloadingScheduler:
             # Its own stores (flushed at preemption) are not acked yet: look up once they are.
             self._defer(st)
             return None, False
-        tpc = self.config.tokens_per_chunk
+        tpc = self._tpc
         keys = self._keys(st, request)
         first = num_computed_tokens // tpc
         # The last prompt token is always recomputed (its logits are needed).
         last_allowed = (request.num_tokens - 1) // tpc
         hits = 0
         must_wait = False
-        for idx in range(first, min(len(keys), last_allowed)):
-            result = self.manager.lookup(keys[idx], st.ctx)
-            if result is LookupResult.MISS:
+        lookup, ctx, being_loaded = self.manager.lookup, st.ctx, self._chunks_being_loaded
+        for key in keys[first : max(first, min(len(keys), last_allowed))]:  # never a negative stop
+            result = lookup(key, ctx)
+            if result is _MISS:
                 break
             # HIT_PENDING or RETRY: the chunk will be readable later; being loaded by another request:
             # this one hits the GPU prefix cache later. Either way it waits, but not forever.
-            if result is not LookupResult.HIT or keys[idx] in self._chunks_being_loaded:
+            if result is not _HIT or key in being_loaded:
                 if self._lookup_wait_expired(st.ctx.req_id):
                     self.stats.lookup_wait_timeouts += 1
-                    if result is not LookupResult.HIT:
+                    if result is not _HIT:
                         # Reserving a promotion for this chunk may have evicted an earlier hit of this
                         # very scan, so none of them is safe to load: compute them all instead.
                         hits = 0
@@ -522,13 +537,13 @@ class OffloadingScheduler:
                 f"request {request.req_id!r} is not tracked; call get_num_new_matched_tokens first"
             )
         # Blocks past the local prefix are fresh: writing them must not race a fenced store.
-        fresh = block_ids[st.num_local_tokens // self.config.tokens_per_block :]
+        fresh = block_ids[st.num_local_tokens // self._tpb :]
         if num_external_tokens == 0:
             self._fire(st, RequestEvent.SCHEDULE)
             st.block_ids = list(block_ids)
             self._batch.allocated.update(fresh)
             return
-        tpb, bpc = self.config.tokens_per_block, self.config.blocks_per_chunk
+        tpb, bpc = self._tpb, self._bpc
         first_block = st.num_local_tokens // tpb
         end_block = (st.num_local_tokens + num_external_tokens) // tpb
         if end_block > len(block_ids) or end_block % bpc:
@@ -704,7 +719,7 @@ class OffloadingScheduler:
 
     def _plan_stores(self, st: RequestRecord, num_scheduled: int | None, out: dict[int, Job]) -> None:
         request = st.request
-        tpc, bpc = self.config.tokens_per_chunk, self.config.blocks_per_chunk
+        tpc, bpc = self._tpc, self._bpc
         if num_scheduled is None:  # finished
             horizon = (
                 request.num_computed_tokens
@@ -715,7 +730,7 @@ class OffloadingScheduler:
             horizon = min(horizon, request.num_computed_tokens)
         else:
             horizon = request.num_computed_tokens + num_scheduled
-        if self.config.offload_prompt_only:
+        if self._prompt_only:
             horizon = min(horizon, request.num_prompt_tokens)
         start = st.next_stored_chunk
         if horizon // tpc <= start:
