@@ -52,7 +52,16 @@ from kvfsm.errors import (
 )
 from kvfsm.machines import job_machine, request_machine
 from kvfsm.machines.compiled import SpecMachine
-from kvfsm.machines.names import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
+from kvfsm.machines.names import (
+    JOB_TERMINAL,
+    JobEffect,
+    JobEvent,
+    JobKind,
+    JobState,
+    RequestEffect,
+    RequestEvent,
+    RequestState,
+)
 
 __all__ = [
     "OffloadRequest",
@@ -73,7 +82,12 @@ logger = logging.getLogger(__name__)
 _IN_FLIGHT = JobState.IN_FLIGHT
 _COMMIT, _RELEASE = JobEffect.COMMIT, JobEffect.RELEASE
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
+_LAUNCH = JobEvent.LAUNCH
 _RUNNING, _FINISHED_SIGNALLED = RequestState.RUNNING, RequestState.FINISHED_SIGNALLED
+_LOADING, _FINISHED_UNSIGNALLED = RequestState.LOADING, RequestState.FINISHED_UNSIGNALLED
+_SCHEDULE, _START_LOAD, _LOAD_DONE = RequestEvent.SCHEDULE, RequestEvent.START_LOAD, RequestEvent.LOAD_DONE
+_FINISH, _SIGNAL, _DELETE = RequestEvent.FINISH, RequestEvent.SIGNAL, RequestEvent.DELETE
+_SIGNAL_MANAGER = RequestEffect.SIGNAL_MANAGER
 _NO_RANKS: frozenset[int] = frozenset()
 #: The states a lookup needs (a waiting request).
 _LOOKUP_STATES = frozenset((RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED))
@@ -404,11 +418,9 @@ class OffloadingScheduler:
         return self._keys_upto(st, hashes, stop)[start:stop]
 
     def _fire(self, st: RequestRecord, event: RequestEvent) -> None:
-        match self._req_machine.fire(st, event):
-            case RequestEffect.SIGNAL_MANAGER:
-                self.manager.on_request_finished(st.ctx)
-            case None:
-                pass
+        # SIGNAL_MANAGER is the request machine's one effect (None: nothing to carry out).
+        if self._req_machine.fire(st, event) is _SIGNAL_MANAGER:
+            self.manager.on_request_finished(st.ctx)
 
     def _new_job(
         self,
@@ -539,7 +551,7 @@ class OffloadingScheduler:
         # Blocks past the local prefix are fresh: writing them must not race a fenced store.
         fresh = block_ids[st.num_local_tokens // self._tpb :]
         if num_external_tokens == 0:
-            self._fire(st, RequestEvent.SCHEDULE)
+            self._fire(st, _SCHEDULE)
             st.block_ids = list(block_ids)
             self._batch.allocated.update(fresh)
             return
@@ -553,10 +565,10 @@ class OffloadingScheduler:
             )
         hashes = request.block_hashes
         keys = tuple(self._chunk_keys(st, hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
-        if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
+        if not self._req_machine.can_fire(st, _START_LOAD):
             raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
-        self._fire(st, RequestEvent.START_LOAD)
+        self._fire(st, _START_LOAD)
         st.block_ids = list(block_ids)
         self._batch.allocated.update(fresh)
         gpu = GPUBlockSpec(tuple(block_ids[first_block:end_block]), first_block % bpc)
@@ -659,7 +671,7 @@ class OffloadingScheduler:
         for st in finished:
             self._plan_stores(st, None, new_stores)
         for st in finished:
-            self._fire(st, RequestEvent.SIGNAL)
+            self._fire(st, _SIGNAL)
             if not st.jobs:
                 self._delete(st)
 
@@ -684,6 +696,14 @@ class OffloadingScheduler:
         report per job (a timed-out job stays quarantined until all W have reported)."""
         meta = self.build_connector_meta(output)
         for jobs in (meta.load_jobs, meta.store_jobs):
+            if self._world_size == 1:
+                # One rank: the jobs it has not launched launch in one batch, in the order job.launch(0)
+                # would launch them (every job here is planned on this scheduler's job machine).
+                todo = [job for job in jobs.values() if job.state not in JOB_TERMINAL and not job.launched_mask & 1]
+                self._job_machine.fire_many(todo, _LAUNCH, 0, distinct=True)
+                for job in todo:
+                    job.launched_mask |= 1
+                continue
             for job in jobs.values():
                 if job.is_terminal:
                     continue
@@ -760,7 +780,7 @@ class OffloadingScheduler:
         job = self._new_job(_STORE, st, prepared.keys_to_store, gpu, prepared.store_spec)
         self.stats.store_jobs += 1
         out[job.job_id] = job
-        if st.state is RequestState.FINISHED_UNSIGNALLED:
+        if st.state is _FINISHED_UNSIGNALLED:
             # The request's blocks are already free: fence now and flush if reused this very step.
             self._fence(job.job_id, blocks)
             if job.job_id in fenced_jobs(self._batch.allocated.intersection(blocks), self._fences):
@@ -803,7 +823,7 @@ class OffloadingScheduler:
                 continue
             if job.state is not _IN_FLIGHT:
                 raise AckCountError(f"job {job_id}: ranks {sorted(ranks)} reported a job no rank launched")
-            for rank in _in_rank_order(ranks):
+            for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline: once per job
                 job.check_report(rank)
         # Every report was checked above against the state it is applied in (each job's ranks are distinct,
         # and only its last report ends it), so the job does not check them again.
@@ -812,7 +832,7 @@ class OffloadingScheduler:
                 if job_id < threshold:
                     self.stats.stale_reports_ignored += 1
                     continue
-                for rank in _in_rank_order(ranks):
+                for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline
                     if job_id in quarantine:
                         self._late_report(job_id, rank)
                         continue
@@ -865,8 +885,8 @@ class OffloadingScheduler:
         st.jobs.discard(job.job_id)
         if job.kind is _LOAD:
             st.load_job = None
-            if st.state is RequestState.LOADING:
-                self._fire(st, RequestEvent.LOAD_DONE)
+            if st.state is _LOADING:
+                self._fire(st, _LOAD_DONE)
         if st.state is _FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
 
@@ -930,7 +950,7 @@ class OffloadingScheduler:
 
     def _delete(self, st: RequestRecord) -> None:
         self._waiting_since.pop(st.ctx.req_id, None)
-        self._fire(st, RequestEvent.DELETE)
+        self._fire(st, _DELETE)
         del self._requests[st.ctx.req_id]
         self._num_finished -= 1
 
@@ -943,7 +963,7 @@ class OffloadingScheduler:
             self.manager.on_request_finished(ctx)
             return False
         st.request = request
-        self._fire(st, RequestEvent.FINISH)
+        self._fire(st, _FINISH)
         self._finished_unsignalled[request.req_id] = st
         self._num_finished += 1
         for job_id in st.jobs:
