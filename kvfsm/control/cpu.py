@@ -472,7 +472,7 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         spec = self.prepare_read(keys)
-        access = self._access(ctx)
+        access = self._access(ctx) if self._request_scoped else None
         if access is not None:
             self._record_access(access, keys, reused=keys)
         return spec

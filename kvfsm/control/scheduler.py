@@ -833,7 +833,7 @@ class OffloadingScheduler:
                     self.stats.stale_reports_ignored += 1
                     continue
                 for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline
-                    if job_id in quarantine:
+                    if quarantine and job_id in quarantine:
                         self._late_report(job_id, rank)
                         continue
                     job = jobs.get(job_id)
