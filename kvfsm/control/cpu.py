@@ -472,7 +472,7 @@ class CPUOffloadingManager(OffloadingManager):
     @override
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> SlotSpec:
         spec = self.prepare_read(keys)
-        access = self._access(ctx)
+        access = self._access(ctx) if self._request_scoped else None
         if access is not None:
             self._record_access(access, keys, reused=keys)
         return spec
@@ -808,10 +808,7 @@ class CPUOffloadingManager(OffloadingManager):
                 if effect is _EMIT_STORED and emit:
                     stored.extend([slot.key for slot in members])
                 if not holds_writing:
-                    evictable = is_evictable(dest)
-                    insert = policy.insert
-                    for slot in members:
-                        insert(slot.key, evictable=evictable)
+                    policy.insert_many([slot.key for slot in members], evictable=is_evictable(dest))
             if holds_writing:
                 # One batch: a request-scoped policy re-heaps once.
                 policy.mark_ready_many([slot.key for slot in slots_written])

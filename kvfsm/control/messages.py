@@ -189,6 +189,14 @@ def merge_reports(reports: Iterable[RankReport]) -> WorkerOutput:
     reporting one job twice raises :class:`AckCountError` and nothing is returned."""
     out = WorkerOutput()
     for report in reports:
+        if not report.failed and not out.completed and not out.failed:
+            # The first report, successes only (most steps, and every step of one worker): one set per
+            # job in one pass. A job listed twice falls through to the checks below, which raise.
+            rank = report.rank
+            completed = {job_id: {rank} for job_id in report.completed}
+            if len(completed) == len(report.completed):
+                out.completed = completed
+                continue
         for job_id in report.completed:
             out.add(job_id, report.rank, ok=True)
         for job_id in report.failed:

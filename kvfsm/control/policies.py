@@ -102,6 +102,11 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, *, evictable: bool = True, access: RequestAccess | None = None) -> None:
         """Add a key that is not held yet, as the most recent; KeyNotReadyError if it is already held."""
 
+    def insert_many(self, keys: Sequence[OffloadKey], *, evictable: bool = True) -> None:
+        """:meth:`insert` for each key, in order (a policy may batch it)."""
+        for key in keys:
+            self.insert(key, evictable=evictable)
+
     def mark_ready(self, key: OffloadKey) -> None:
         """A held writing key's store committed (request-scoped policies only; others insert at commit)."""
         self.mark_evictable(key)
@@ -212,6 +217,17 @@ class LRUPolicy(CachePolicy):
             self._evictable[key] = None
 
     @override
+    def insert_many(self, keys: Sequence[OffloadKey], *, evictable: bool = True) -> None:
+        """:meth:`insert` for each key in order, without a call per key (every store's commit)."""
+        order, ready = self._order, self._evictable
+        for key in keys:
+            if key in order:
+                raise KeyNotReadyError(f"policy already holds key {_show(key)}; expected a key not yet inserted")
+            order[key] = None
+            if evictable:
+                ready[key] = None
+
+    @override
     def remove(self, key: OffloadKey) -> None:
         if key not in self._order:
             raise _not_held(key, "remove()")
@@ -242,6 +258,28 @@ class LRUPolicy(CachePolicy):
         if key not in self._order:
             raise _not_held(key, "mark_non_evictable()")
         self._evictable.pop(key, None)
+
+    @override
+    def mark_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`mark_evictable` for each key in order, without a call per key (every load's commit)."""
+        order, evictable = self._order, self._evictable
+        for key in keys:
+            if key not in order:
+                raise _not_held(key, "mark_evictable()")
+            if key not in evictable:
+                order.move_to_end(key)
+                evictable[key] = None
+
+    @override
+    def mark_non_evictable_many(self, keys: Sequence[OffloadKey]) -> None:
+        """:meth:`mark_non_evictable` for each key, all checked first, without a call per key (every load)."""
+        order = self._order
+        for key in keys:
+            if key not in order:
+                raise _not_held(key, "mark_non_evictable()")
+        pop = self._evictable.pop
+        for key in keys:
+            pop(key, None)
 
     @override
     def evict(self, n: int, protected: Set[OffloadKey]) -> list[OffloadKey] | None:

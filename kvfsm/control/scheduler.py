@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
@@ -52,7 +52,16 @@ from kvfsm.errors import (
 )
 from kvfsm.machines import job_machine, request_machine
 from kvfsm.machines.compiled import SpecMachine
-from kvfsm.machines.names import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
+from kvfsm.machines.names import (
+    JOB_TERMINAL,
+    JobEffect,
+    JobEvent,
+    JobKind,
+    JobState,
+    RequestEffect,
+    RequestEvent,
+    RequestState,
+)
 
 __all__ = [
     "OffloadRequest",
@@ -73,8 +82,19 @@ logger = logging.getLogger(__name__)
 _IN_FLIGHT = JobState.IN_FLIGHT
 _COMMIT, _RELEASE = JobEffect.COMMIT, JobEffect.RELEASE
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
+_LAUNCH = JobEvent.LAUNCH
 _RUNNING, _FINISHED_SIGNALLED = RequestState.RUNNING, RequestState.FINISHED_SIGNALLED
+_LOADING, _FINISHED_UNSIGNALLED = RequestState.LOADING, RequestState.FINISHED_UNSIGNALLED
+_SCHEDULE, _START_LOAD, _LOAD_DONE = RequestEvent.SCHEDULE, RequestEvent.START_LOAD, RequestEvent.LOAD_DONE
+_FINISH, _SIGNAL, _DELETE = RequestEvent.FINISH, RequestEvent.SIGNAL, RequestEvent.DELETE
+_SIGNAL_MANAGER = RequestEffect.SIGNAL_MANAGER
 _NO_RANKS: frozenset[int] = frozenset()
+#: The states a lookup needs (a waiting request).
+_LOOKUP_STATES = frozenset((RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED))
+_MISS, _HIT = LookupResult.MISS, LookupResult.HIT
+#: What :func:`make_offload_key` appends to a block hash for group 0 (the connector's one group): the
+#: request's keys are made in one comprehension, not a call per key.
+_GROUP_0_SUFFIX = make_offload_key(b"")
 
 
 def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
@@ -248,6 +268,12 @@ class OffloadingScheduler:
         queue their deadlines wait in (default a fresh :class:`DeadlineQueue`; the model-based replay passes
         one that holds each deadline back until the checker's event passes it, spec/README.md "Deadlines")."""
         self.config = config
+        # The geometry, read on every lookup, allocation and store plan (the config is frozen).
+        self._tpb = config.tokens_per_block
+        self._bpc = config.blocks_per_chunk
+        self._tpc = config.tokens_per_chunk
+        self._world_size = config.world_size
+        self._prompt_only = config.offload_prompt_only
         self.manager = manager
         self._job_machine = job_machine(checked)
         self._req_machine: SpecMachine[RequestState, RequestEvent, RequestEffect] = request_machine(checked)
@@ -375,14 +401,16 @@ class OffloadingScheduler:
     def _keys(self, st: RequestRecord, request: OffloadRequest) -> list[OffloadKey]:
         """One key per full chunk: the hash of the chunk's last block."""
         hashes = request.block_hashes
-        return self._keys_upto(st, hashes, len(hashes) // self.config.blocks_per_chunk)
+        return self._keys_upto(st, hashes, len(hashes) // self._bpc)
 
     def _keys_upto(self, st: RequestRecord, hashes: Sequence[bytes], stop: int) -> list[OffloadKey]:
         """The request's keys of chunks ``0..stop-1`` (cached on the record: each key is made once)."""
         keys = st.keys
         if len(keys) < stop:
-            bpc = self.config.blocks_per_chunk
-            keys.extend(make_offload_key(hashes[i * bpc + bpc - 1]) for i in range(len(keys), stop))
+            bpc = self._bpc
+            # Chunk i's key is make_offload_key(hashes[i * bpc + bpc - 1]): one slice, one concatenation each.
+            last_hashes = hashes[len(keys) * bpc + bpc - 1 : stop * bpc : bpc]
+            keys.extend(cast("list[OffloadKey]", [h + _GROUP_0_SUFFIX for h in last_hashes]))
         return keys
 
     def _chunk_keys(self, st: RequestRecord, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
@@ -390,11 +418,9 @@ class OffloadingScheduler:
         return self._keys_upto(st, hashes, stop)[start:stop]
 
     def _fire(self, st: RequestRecord, event: RequestEvent) -> None:
-        match self._req_machine.fire(st, event):
-            case RequestEffect.SIGNAL_MANAGER:
-                self.manager.on_request_finished(st.ctx)
-            case None:
-                pass
+        # SIGNAL_MANAGER is the request machine's one effect (None: nothing to carry out).
+        if self._req_machine.fire(st, event) is _SIGNAL_MANAGER:
+            self.manager.on_request_finished(st.ctx)
 
     def _new_job(
         self,
@@ -412,7 +438,7 @@ class OffloadingScheduler:
             keys,
             gpu,
             slots,
-            self.config.world_size,
+            self._world_size,
             self._job_machine,
         )
         self._job_counter += 1
@@ -455,7 +481,7 @@ class OffloadingScheduler:
         if st is None:
             self.on_new_request(request)
             st = self._requests[request.req_id]
-        if st.state not in (RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED):
+        if st.state not in _LOOKUP_STATES:
             raise KvfsmError(
                 f"request {request.req_id!r} is {st.state.value}; a lookup needs a waiting request "
                 "(tracked, deferred or preempted)"
@@ -465,23 +491,24 @@ class OffloadingScheduler:
             # Its own stores (flushed at preemption) are not acked yet: look up once they are.
             self._defer(st)
             return None, False
-        tpc = self.config.tokens_per_chunk
+        tpc = self._tpc
         keys = self._keys(st, request)
         first = num_computed_tokens // tpc
         # The last prompt token is always recomputed (its logits are needed).
         last_allowed = (request.num_tokens - 1) // tpc
         hits = 0
         must_wait = False
-        for idx in range(first, min(len(keys), last_allowed)):
-            result = self.manager.lookup(keys[idx], st.ctx)
-            if result is LookupResult.MISS:
+        lookup, ctx, being_loaded = self.manager.lookup, st.ctx, self._chunks_being_loaded
+        for key in keys[first : max(first, min(len(keys), last_allowed))]:  # never a negative stop
+            result = lookup(key, ctx)
+            if result is _MISS:
                 break
             # HIT_PENDING or RETRY: the chunk will be readable later; being loaded by another request:
             # this one hits the GPU prefix cache later. Either way it waits, but not forever.
-            if result is not LookupResult.HIT or keys[idx] in self._chunks_being_loaded:
+            if result is not _HIT or key in being_loaded:
                 if self._lookup_wait_expired(st.ctx.req_id):
                     self.stats.lookup_wait_timeouts += 1
-                    if result is not LookupResult.HIT:
+                    if result is not _HIT:
                         # Reserving a promotion for this chunk may have evicted an earlier hit of this
                         # very scan, so none of them is safe to load: compute them all instead.
                         hits = 0
@@ -522,13 +549,13 @@ class OffloadingScheduler:
                 f"request {request.req_id!r} is not tracked; call get_num_new_matched_tokens first"
             )
         # Blocks past the local prefix are fresh: writing them must not race a fenced store.
-        fresh = block_ids[st.num_local_tokens // self.config.tokens_per_block :]
+        fresh = block_ids[st.num_local_tokens // self._tpb :]
         if num_external_tokens == 0:
-            self._fire(st, RequestEvent.SCHEDULE)
+            self._fire(st, _SCHEDULE)
             st.block_ids = list(block_ids)
             self._batch.allocated.update(fresh)
             return
-        tpb, bpc = self.config.tokens_per_block, self.config.blocks_per_chunk
+        tpb, bpc = self._tpb, self._bpc
         first_block = st.num_local_tokens // tpb
         end_block = (st.num_local_tokens + num_external_tokens) // tpb
         if end_block > len(block_ids) or end_block % bpc:
@@ -538,10 +565,10 @@ class OffloadingScheduler:
             )
         hashes = request.block_hashes
         keys = tuple(self._chunk_keys(st, hashes, first_block // bpc, min(end_block, len(hashes)) // bpc))
-        if not self._req_machine.can_fire(st, RequestEvent.START_LOAD):
+        if not self._req_machine.can_fire(st, _START_LOAD):
             raise KvfsmError(f"request {request.req_id!r} in {st.state.value} with jobs {sorted(st.jobs)} cannot load")
         slots = self.manager.prepare_load(keys, st.ctx)  # raises KeyNotReadyError before any change
-        self._fire(st, RequestEvent.START_LOAD)
+        self._fire(st, _START_LOAD)
         st.block_ids = list(block_ids)
         self._batch.allocated.update(fresh)
         gpu = GPUBlockSpec(tuple(block_ids[first_block:end_block]), first_block % bpc)
@@ -644,7 +671,7 @@ class OffloadingScheduler:
         for st in finished:
             self._plan_stores(st, None, new_stores)
         for st in finished:
-            self._fire(st, RequestEvent.SIGNAL)
+            self._fire(st, _SIGNAL)
             if not st.jobs:
                 self._delete(st)
 
@@ -669,6 +696,14 @@ class OffloadingScheduler:
         report per job (a timed-out job stays quarantined until all W have reported)."""
         meta = self.build_connector_meta(output)
         for jobs in (meta.load_jobs, meta.store_jobs):
+            if self._world_size == 1:
+                # One rank: the jobs it has not launched launch in one batch, in the order job.launch(0)
+                # would launch them (every job here is planned on this scheduler's job machine).
+                todo = [job for job in jobs.values() if job.state not in JOB_TERMINAL and not job.launched_mask & 1]
+                self._job_machine.fire_many(todo, _LAUNCH, 0, distinct=True)
+                for job in todo:
+                    job.launched_mask |= 1
+                continue
             for job in jobs.values():
                 if job.is_terminal:
                     continue
@@ -704,7 +739,7 @@ class OffloadingScheduler:
 
     def _plan_stores(self, st: RequestRecord, num_scheduled: int | None, out: dict[int, Job]) -> None:
         request = st.request
-        tpc, bpc = self.config.tokens_per_chunk, self.config.blocks_per_chunk
+        tpc, bpc = self._tpc, self._bpc
         if num_scheduled is None:  # finished
             horizon = (
                 request.num_computed_tokens
@@ -715,7 +750,7 @@ class OffloadingScheduler:
             horizon = min(horizon, request.num_computed_tokens)
         else:
             horizon = request.num_computed_tokens + num_scheduled
-        if self.config.offload_prompt_only:
+        if self._prompt_only:
             horizon = min(horizon, request.num_prompt_tokens)
         start = st.next_stored_chunk
         if horizon // tpc <= start:
@@ -745,7 +780,7 @@ class OffloadingScheduler:
         job = self._new_job(_STORE, st, prepared.keys_to_store, gpu, prepared.store_spec)
         self.stats.store_jobs += 1
         out[job.job_id] = job
-        if st.state is RequestState.FINISHED_UNSIGNALLED:
+        if st.state is _FINISHED_UNSIGNALLED:
             # The request's blocks are already free: fence now and flush if reused this very step.
             self._fence(job.job_id, blocks)
             if job.job_id in fenced_jobs(self._batch.allocated.intersection(blocks), self._fences):
@@ -788,7 +823,7 @@ class OffloadingScheduler:
                 continue
             if job.state is not _IN_FLIGHT:
                 raise AckCountError(f"job {job_id}: ranks {sorted(ranks)} reported a job no rank launched")
-            for rank in _in_rank_order(ranks):
+            for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline: once per job
                 job.check_report(rank)
         # Every report was checked above against the state it is applied in (each job's ranks are distinct,
         # and only its last report ends it), so the job does not check them again.
@@ -797,8 +832,8 @@ class OffloadingScheduler:
                 if job_id < threshold:
                     self.stats.stale_reports_ignored += 1
                     continue
-                for rank in _in_rank_order(ranks):
-                    if job_id in quarantine:
+                for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline
+                    if quarantine and job_id in quarantine:
                         self._late_report(job_id, rank)
                         continue
                     job = jobs.get(job_id)
@@ -850,8 +885,8 @@ class OffloadingScheduler:
         st.jobs.discard(job.job_id)
         if job.kind is _LOAD:
             st.load_job = None
-            if st.state is RequestState.LOADING:
-                self._fire(st, RequestEvent.LOAD_DONE)
+            if st.state is _LOADING:
+                self._fire(st, _LOAD_DONE)
         if st.state is _FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
 
@@ -915,7 +950,7 @@ class OffloadingScheduler:
 
     def _delete(self, st: RequestRecord) -> None:
         self._waiting_since.pop(st.ctx.req_id, None)
-        self._fire(st, RequestEvent.DELETE)
+        self._fire(st, _DELETE)
         del self._requests[st.ctx.req_id]
         self._num_finished -= 1
 
@@ -928,7 +963,7 @@ class OffloadingScheduler:
             self.manager.on_request_finished(ctx)
             return False
         st.request = request
-        self._fire(st, RequestEvent.FINISH)
+        self._fire(st, _FINISH)
         self._finished_unsignalled[request.req_id] = st
         self._num_finished += 1
         for job_id in st.jobs:

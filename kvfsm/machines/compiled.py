@@ -430,6 +430,13 @@ class SpecMachine(Generic[S, E, F]):
                 groups = self._plan_mixed(models, event, arg)
                 break
         else:
+            edges = self._table.get((state, event))
+            if edges and edges[0][0] is None:
+                # One unguarded row (absent -> writing, writing -> ready, ...): the whole batch takes it.
+                _guard, dest, effect = edges[0]
+                for model in models:
+                    model.state = dest
+                return [(state, dest, effect, models)]
             groups = self._plan_group(state, models, event, arg)
         for _source, dest, _effect, members in groups:
             for model in members:

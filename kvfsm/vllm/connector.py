@@ -232,7 +232,7 @@ def scheduler_output_of(output: VllmSchedulerOutput) -> SchedulerOutput:
     num_tokens: Mapping[str, int] = output.num_scheduled_tokens
     for req_id, groups, is_full_table in yield_req_data(output):
         blocks = tuple(groups[0]) if groups else ()
-        scheduled.append(ScheduledRequest(req_id, blocks, num_tokens.get(req_id, 0), admitted=bool(is_full_table)))
+        scheduled.append(ScheduledRequest(req_id, blocks, num_tokens.get(req_id, 0), bool(is_full_table)))
     for copy in output.kv_cache_block_copies or ():
         allocated.add(int(copy.dst_block_id))
     return SchedulerOutput(
@@ -364,8 +364,9 @@ class KvfsmConnector(KVConnectorBase_V1):
 
     @override
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        sched, view = self._sched(), _RequestView(request)
-        if sched.state_or_none(view.req_id) is RUNNING:
+        sched = self.scheduler if self.scheduler is not None else self._sched()  # _sched raises
+        view = _RequestView(request)
+        if sched.state_or_none(request.request_id) is RUNNING:
             # vLLM preempted it (reset_prefix_cache(reset_running_requests=True)) and looks it up again before
             # this step's preempted_req_ids tells the connector.
             sched.preempt_unannounced(view)
@@ -374,9 +375,9 @@ class KvfsmConnector(KVConnectorBase_V1):
     @override
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         block_ids = [b.block_id for b in blocks.blocks[0]] if blocks.blocks else []
-        sched = self._sched()
+        sched = self.scheduler if self.scheduler is not None else self._sched()  # _sched raises
         view = _RequestView(request)
-        if num_external_tokens == 0 and sched.state_or_none(view.req_id) is RUNNING:
+        if num_external_tokens == 0 and sched.state_or_none(request.request_id) is RUNNING:
             # vLLM's second call, once the request's asynchronous load finished and it is rescheduled.
             sched.extend_running_blocks(view, block_ids)
             return
