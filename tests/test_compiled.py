@@ -26,7 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvfsm.machines.compiled
-from kvfsm.errors import InvalidTransition, SpecError
+from kvfsm.control.job import Job
+from kvfsm.control.types import GPUBlockSpec, SlotSpec
+from kvfsm.errors import AckCountError, InvalidTransition, SpecError
 from kvfsm.machines import engine_machine, job_machine, request_machine, slot_machine
 from kvfsm.machines.compiled import (
     CompiledEdge,
@@ -44,6 +46,7 @@ from kvfsm.machines.names import (
     EngineState,
     JobEffect,
     JobEvent,
+    JobKind,
     JobState,
     RequestEffect,
     RequestEvent,
@@ -617,3 +620,31 @@ def test_job_report_guards_are_their_two_premises() -> None:
                         assert guards["last_ack_after_failure"](job, rank) is (last and failed > 0)
                         checked += 1
     assert checked > 300
+
+
+@pytest.mark.parametrize("shared_machine", [True, False])
+def test_launch_all_launches_as_launch_does_job_by_job(shared_machine: bool) -> None:
+    """Job.launch_all: the batch (one machine) and its fallback (jobs on two machines) leave every job as
+    launching it job by job does, skip a job the rank already launched, and refuse a bad rank changing nothing."""
+    machine = _fresh_job_machine(False)
+
+    def jobs(other: SpecMachine[JobState, JobEvent, JobEffect]) -> list[Job]:
+        made = [
+            Job(n, JobKind.STORE, "r", (), GPUBlockSpec(()), SlotSpec(()), 2, other if n == 2 else machine)
+            for n in range(3)
+        ]
+        made[1].launch(0)
+        return made
+
+    batched = jobs(machine if shared_machine else _fresh_job_machine(False))
+    one_by_one = jobs(machine)
+    with pytest.raises(AckCountError):
+        Job.launch_all(batched, 2)
+    untouched = [(JobState.SUBMITTED, 0), (JobState.IN_FLIGHT, 1), (JobState.SUBMITTED, 0)]
+    assert [(j.state, j.launched_mask) for j in batched] == untouched
+    Job.launch_all(batched, 0)
+    for job in one_by_one:
+        if not job.launched_mask & 1:
+            job.launch(0)
+    assert [(j.state, j.launched_mask) for j in batched] == [(j.state, j.launched_mask) for j in one_by_one]
+    assert all(j.state is JobState.IN_FLIGHT and j.launched_mask == 1 for j in batched)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from typing_extensions import override
@@ -88,6 +89,23 @@ class Job:
         effect = self.machine.fire(self, _LAUNCH, rank)
         self.launched_mask |= 1 << rank
         return effect is _START_COPY
+
+    @staticmethod
+    def launch_all(jobs: Sequence[Job], rank: int) -> None:
+        """:meth:`launch` of worker ``rank`` for each of ``jobs`` that it has not launched yet, in order: one
+        ``fire_many`` batch (all or nothing) when they share one machine, as a scheduler's jobs do."""
+        todo = [job for job in jobs if not (job.launched_mask >> rank) & 1]
+        if not todo:
+            return
+        machine = todo[0].machine
+        for job in todo:  # one pass: a job on another machine, or a rank it does not have, takes launch()
+            if job.machine is not machine or not 0 <= rank < job.world_size:
+                for one in todo:
+                    one.launch(rank)  # (raises for a bad rank at the first job, before it changes)
+                return
+        machine.fire_many(todo, _LAUNCH, rank, distinct=True)
+        for job in todo:
+            job.launched_mask |= 1 << rank
 
     @property
     def pending(self) -> int:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Protocol
 
 from kvfsm.control.config import DrainMode, OffloadConfig
 from kvfsm.control.deadlines import Clock, DeadlineQueue, Deadlines, run_bounded, with_timeout
@@ -40,7 +40,7 @@ from kvfsm.control.types import (
     OffloadKey,
     ReqContext,
     SlotSpec,
-    make_offload_key,
+    make_offload_keys,
 )
 from kvfsm.errors import (
     AckCountError,
@@ -53,9 +53,7 @@ from kvfsm.errors import (
 from kvfsm.machines import job_machine, request_machine
 from kvfsm.machines.compiled import SpecMachine
 from kvfsm.machines.names import (
-    JOB_TERMINAL,
     JobEffect,
-    JobEvent,
     JobKind,
     JobState,
     RequestEffect,
@@ -82,7 +80,6 @@ logger = logging.getLogger(__name__)
 _IN_FLIGHT = JobState.IN_FLIGHT
 _COMMIT, _RELEASE = JobEffect.COMMIT, JobEffect.RELEASE
 _STORE, _LOAD = JobKind.STORE, JobKind.LOAD
-_LAUNCH = JobEvent.LAUNCH
 _RUNNING, _FINISHED_SIGNALLED = RequestState.RUNNING, RequestState.FINISHED_SIGNALLED
 _LOADING, _FINISHED_UNSIGNALLED = RequestState.LOADING, RequestState.FINISHED_UNSIGNALLED
 _SCHEDULE, _START_LOAD, _LOAD_DONE = RequestEvent.SCHEDULE, RequestEvent.START_LOAD, RequestEvent.LOAD_DONE
@@ -92,9 +89,6 @@ _NO_RANKS: frozenset[int] = frozenset()
 #: The states a lookup needs (a waiting request).
 _LOOKUP_STATES = frozenset((RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED))
 _MISS, _HIT = LookupResult.MISS, LookupResult.HIT
-#: What :func:`make_offload_key` appends to a block hash for group 0 (the connector's one group): the
-#: request's keys are made in one comprehension, not a call per key.
-_GROUP_0_SUFFIX = make_offload_key(b"")
 
 
 def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
@@ -408,9 +402,8 @@ class OffloadingScheduler:
         keys = st.keys
         if len(keys) < stop:
             bpc = self._bpc
-            # Chunk i's key is make_offload_key(hashes[i * bpc + bpc - 1]): one slice, one concatenation each.
-            last_hashes = hashes[len(keys) * bpc + bpc - 1 : stop * bpc : bpc]
-            keys.extend(cast("list[OffloadKey]", [h + _GROUP_0_SUFFIX for h in last_hashes]))
+            # Chunk i's key is make_offload_key(hashes[i * bpc + bpc - 1]): the chunks' last hashes, one slice.
+            keys.extend(make_offload_keys(hashes[len(keys) * bpc + bpc - 1 : stop * bpc : bpc]))
         return keys
 
     def _chunk_keys(self, st: RequestRecord, hashes: Sequence[bytes], start: int, stop: int) -> list[OffloadKey]:
@@ -697,12 +690,8 @@ class OffloadingScheduler:
         meta = self.build_connector_meta(output)
         for jobs in (meta.load_jobs, meta.store_jobs):
             if self._world_size == 1:
-                # One rank: the jobs it has not launched launch in one batch, in the order job.launch(0)
-                # would launch them (every job here is planned on this scheduler's job machine).
-                todo = [job for job in jobs.values() if job.state not in JOB_TERMINAL and not job.launched_mask & 1]
-                self._job_machine.fire_many(todo, _LAUNCH, 0, distinct=True)
-                for job in todo:
-                    job.launched_mask |= 1
+                # One rank: rank-major order is job-major order, so the step's launches are one batch.
+                Job.launch_all([job for job in jobs.values() if not job.is_terminal], 0)
                 continue
             for job in jobs.values():
                 if job.is_terminal:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NewType
+from typing import NewType, cast
 
 __all__ = [
     "GPUBlockSpec",
@@ -15,6 +16,7 @@ __all__ = [
     "ReqContext",
     "SlotSpec",
     "make_offload_key",
+    "make_offload_keys",
 ]
 
 #: A chunk's identity in every tier: the block hash of its last hash-block plus the group index.
@@ -23,6 +25,14 @@ OffloadKey = NewType("OffloadKey", bytes)
 
 def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
     return OffloadKey(block_hash + group_idx.to_bytes(4, "big"))
+
+
+def make_offload_keys(block_hashes: Iterable[bytes], group_idx: int = 0) -> list[OffloadKey]:
+    """:func:`make_offload_key` of each hash, in order: the group's suffix made once (a request's keys, every
+    lookup and store plan)."""
+    suffix = group_idx.to_bytes(4, "big")
+    # cast, not OffloadKey() per key: NewType's call is a Python call each, and the bytes are the key.
+    return cast("list[OffloadKey]", [h + suffix for h in block_hashes])
 
 
 class LookupResult(Enum):

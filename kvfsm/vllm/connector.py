@@ -364,8 +364,7 @@ class KvfsmConnector(KVConnectorBase_V1):
 
     @override
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        sched = self.scheduler if self.scheduler is not None else self._sched()  # _sched raises
-        view = _RequestView(request)
+        sched, view = self._sched(), _RequestView(request)
         if sched.state_or_none(request.request_id) is RUNNING:
             # vLLM preempted it (reset_prefix_cache(reset_running_requests=True)) and looks it up again before
             # this step's preempted_req_ids tells the connector.
@@ -375,8 +374,7 @@ class KvfsmConnector(KVConnectorBase_V1):
     @override
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         block_ids = [b.block_id for b in blocks.blocks[0]] if blocks.blocks else []
-        sched = self.scheduler if self.scheduler is not None else self._sched()  # _sched raises
-        view = _RequestView(request)
+        sched, view = self._sched(), _RequestView(request)
         if num_external_tokens == 0 and sched.state_or_none(request.request_id) is RUNNING:
             # vLLM's second call, once the request's asynchronous load finished and it is rescheduled.
             sched.extend_running_blocks(view, block_ids)
