@@ -52,14 +52,7 @@ from kvfsm.errors import (
 )
 from kvfsm.machines import job_machine, request_machine
 from kvfsm.machines.compiled import SpecMachine
-from kvfsm.machines.names import (
-    JobEffect,
-    JobKind,
-    JobState,
-    RequestEffect,
-    RequestEvent,
-    RequestState,
-)
+from kvfsm.machines.names import JobEffect, JobKind, JobState, RequestEffect, RequestEvent, RequestState
 
 __all__ = [
     "OffloadRequest",
