@@ -17,6 +17,7 @@ __all__ = [
     "InvalidTransition",
     "KeyNotReadyError",
     "KvfsmError",
+    "SeamViolationError",
     "SpecError",
     "UnknownJobError",
     "UnknownRequestError",
@@ -88,3 +89,9 @@ class UnknownRequestError(KvfsmError, KeyError):
 
 class KeyNotReadyError(KvfsmError, ValueError):
     """A load was prepared for keys that are absent or whose store has not committed."""
+
+
+class SeamViolationError(KvfsmError):
+    """A job would copy a GPU block other than the one the engine's block table holds for its key
+    (spec/invariants.toml, ``job_copies_engine_block``): raised by the checked mode of kvfsm's vLLM routes
+    before the copy starts, because a faithful copy of the wrong block serves wrong KV."""

@@ -17,9 +17,11 @@ from kvfsm.errors import SpecError
 
 __all__ = [
     "MACHINE_NAMES",
+    "BoundaryInvariantSpec",
     "InvariantSpec",
     "MachineSpec",
     "TransitionSpec",
+    "load_boundary_invariants",
     "load_invariants",
     "load_machine",
     "spec_dir",
@@ -61,6 +63,17 @@ class InvariantSpec:
     title: str
     prose: str
     machines: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryInvariantSpec:
+    """A rule of the seam between kvfsm and its engine (spec/invariants.toml, ``[[boundary_invariant]]``)."""
+
+    name: str
+    title: str
+    prose: str
+    #: Which seam: ``scheduler/worker`` (kvfsm's jobs against the engine's block table).
+    boundary: str
 
 
 def spec_dir() -> Path:
@@ -166,4 +179,14 @@ def load_invariants() -> tuple[InvariantSpec, ...]:
             if m not in MACHINE_NAMES:
                 raise SpecError(f"invariant {row['name']!r} names unknown machine {m!r}")
         out.append(InvariantSpec(row["name"], row["title"], row["prose"].strip(), machines))
+    return tuple(out)
+
+
+@functools.cache
+def load_boundary_invariants() -> tuple[BoundaryInvariantSpec, ...]:
+    raw = _read("invariants")
+    out = []
+    for i, row in enumerate(raw.get("boundary_invariant", [])):
+        _require(row, ("name", "title", "prose", "boundary"), f"spec/invariants.toml boundary_invariant #{i}")
+        out.append(BoundaryInvariantSpec(row["name"], row["title"], row["prose"].strip(), row["boundary"]))
     return tuple(out)
