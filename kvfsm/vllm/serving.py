@@ -118,6 +118,8 @@ class Workload:
     rounds: int = 2
     max_tokens: int = 48
     seed: int = 0
+    #: The first round to run (an engine that runs only round 1 finds its prefixes where another put them).
+    first_round: int = 0
 
     def prompts(self, round_index: int) -> list[list[int]]:
         import random
@@ -160,8 +162,8 @@ class EngineSetup:
     #: Directory of the fs tier; Redis URL of the Redis tier.
     fs_path: str | None = None
     redis_url: str | None = None
-    #: Shared Redis namespace (two engines that share it share prefixes).
-    redis_namespace: str = "kvfsm-e2e"
+    #: Start of every Redis key (engines with the same model and prefix share chunks).
+    redis_prefix: str = "kvfsm-e2e"
 
 
 def kv_transfer_config(setup: EngineSetup, model: TinyModel) -> dict[str, Any] | None:
@@ -184,9 +186,9 @@ def kv_transfer_config(setup: EngineSetup, model: TinyModel) -> dict[str, Any] |
             "checked": setup.checked,
         }
         if setup.tier.startswith("fs"):
-            extra.update({"tier": "fs", "fs_path": setup.fs_path, "fs_durable": setup.tier == "fs-durable"})
+            extra.update({"tiers": ["fs"], "fs_path": setup.fs_path, "fs_durable": setup.tier == "fs-durable"})
         elif setup.tier == "redis":
-            extra.update({"tier": "redis", "redis_url": setup.redis_url, "redis_namespace": setup.redis_namespace})
+            extra.update({"tiers": ["redis"], "redis_url": setup.redis_url, "redis_prefix": setup.redis_prefix})
         return {
             "kv_connector": "KvfsmConnector",
             "kv_connector_module_path": "kvfsm.vllm",
@@ -207,7 +209,9 @@ def kv_transfer_config(setup: EngineSetup, model: TinyModel) -> dict[str, Any] |
         if setup.tier == "fs-durable":
             extra["kvfsm_fs_durable"] = True
     elif setup.tier == "redis":
-        extra.update({"kvfsm_tier": "redis", "kvfsm_redis_url": setup.redis_url})
+        extra.update(
+            {"kvfsm_tier": "redis", "kvfsm_redis_url": setup.redis_url, "kvfsm_redis_prefix": setup.redis_prefix}
+        )
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
@@ -356,7 +360,7 @@ def drain(llm: Any, max_steps: int = 10_000, timeout_s: float = 120.0) -> int | 
 
 
 def _generate(llm: Any, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[Any], float]:
-    from vllm import SamplingParams
+    from vllm.sampling_params import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, seed=0)
@@ -383,7 +387,7 @@ def run_workload(
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    from vllm import LLM
+    from vllm.entrypoints.llm import LLM
 
     result = RunResult(setup)
     started = time.perf_counter()
@@ -410,11 +414,12 @@ def run_workload(
         )
         try:
             hits_before = _counter(llm, "vllm:external_prefix_cache_hits")
-            for r in range(workload.rounds):
-                if r > 0:
+            preemptions_before = _counter(llm, "vllm:num_preemptions")
+            for r in range(workload.first_round, workload.rounds):
+                if r > workload.first_round:
                     if not llm.reset_prefix_cache():
                         raise RuntimeError("vLLM refused reset_prefix_cache(); expected an idle engine")
-                    if corrupt_cpu_pool and r == 1:
+                    if corrupt_cpu_pool and r == workload.first_round + 1:
                         pools = cpu_pools(llm)
                         if not pools:
                             raise RuntimeError("found no kvfsm CPU pool to corrupt (in-process engines only)")
@@ -438,7 +443,7 @@ def run_workload(
                 hits = _counter(llm, "vllm:external_prefix_cache_hits")
                 result.external_hit_tokens.append(hits - hits_before)
                 hits_before = hits
-            result.preemptions = _counter(llm, "vllm:num_preemptions")
+            result.preemptions = _counter(llm, "vllm:num_preemptions") - preemptions_before
             seam = seam_checker(llm)
             if seam is not None:
                 result.seam_jobs_checked = seam.jobs_checked
@@ -453,3 +458,25 @@ def run_workload(
         result.warnings = list(captured.records)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvfsm.vllm.serving SETUP_JSON WORKLOAD_JSON MODEL_ROOT OUT_JSON``: one engine in this
+    process, its :class:`RunResult` written as JSON (two engines in two processes share a Redis tier)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 4:
+        print("usage: python -m kvfsm.vllm.serving SETUP_JSON WORKLOAD_JSON MODEL_ROOT OUT_JSON", file=sys.stderr)
+        return 2
+    setup = EngineSetup(**json.loads(args[0]))
+    workload = Workload(**json.loads(args[1]))
+    model_dir = build_tiny_model(Path(args[2]))
+    result = run_workload(model_dir, setup, workload)
+    payload = asdict(result)
+    Path(args[3]).write_text(json.dumps(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
