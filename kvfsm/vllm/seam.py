@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 from kvfsm.control.seam import SeamViolation, job_seam_violation
 from kvfsm.control.types import OffloadKey
-from kvfsm.errors import SeamViolationError
+from kvfsm.errors import KvfsmError, SeamViolationError
 
-__all__ = ["SeamChecker", "VllmEngineView", "find_vllm_scheduler"]
+__all__ = ["SeamChecker", "VllmEngineView", "find_caller", "find_vllm_scheduler", "install_offloading_check"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,27 @@ logger = logging.getLogger(__name__)
 _MAX_FRAMES = 12
 
 
-def find_vllm_scheduler(max_frames: int = _MAX_FRAMES) -> Any | None:
-    """vLLM's ``Scheduler`` on the call stack (the ``self`` of a frame owning ``kv_cache_manager`` and
-    ``requests``), or None."""
+def find_caller(predicate: Callable[[Any], bool], max_frames: int = _MAX_FRAMES) -> Any | None:
+    """The ``self`` of the nearest calling frame for which ``predicate`` holds, or None."""
     frame: FrameType | None = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if owner is not None and hasattr(owner, "kv_cache_manager") and hasattr(owner, "requests"):
+        if owner is not None and predicate(owner):
             return owner
         frame = frame.f_back
     return None
+
+
+def _is_vllm_scheduler(owner: Any) -> bool:
+    return hasattr(owner, "kv_cache_manager") and hasattr(owner, "requests")
+
+
+def find_vllm_scheduler(max_frames: int = _MAX_FRAMES) -> Any | None:
+    """vLLM's ``Scheduler`` on the call stack (the ``self`` of a frame owning ``kv_cache_manager`` and
+    ``requests``), or None."""
+    return find_caller(_is_vllm_scheduler, max_frames)
 
 
 @dataclass
@@ -114,3 +123,56 @@ class SeamChecker:
         logger.error("kvfsm seam violation: %s", violation.describe())
         if self.strict:
             raise SeamViolationError(violation.describe())
+
+
+def install_offloading_check(
+    connector_scheduler: Any, seam: SeamChecker, slot_key: Callable[[int], OffloadKey | None]
+) -> None:
+    """Route 1 (vLLM's ``OffloadingConnector`` with kvfsm's spec): check every step's metadata that vLLM's
+    connector scheduler builds (its ``TransferJob`` records: request id, GPU spec, CPU spec) before the
+    engine hands it to the workers. ``slot_key`` names the key a CPU slot holds or is reserved for (kvfsm's
+    manager knows it). Wraps the instance's ``build_connector_meta`` and ``request_finished``, once."""
+    if getattr(connector_scheduler, "kvfsm_seam", None) is not None:
+        return
+    build, finished = connector_scheduler.build_connector_meta, connector_scheduler.request_finished
+
+    def checked_build(scheduler_output: Any) -> Any:
+        if seam.view.scheduler is None:
+            scheduler = find_vllm_scheduler()
+            if scheduler is None:
+                raise KvfsmError(
+                    "kvfsm checked mode: vLLM's Scheduler is not on the call stack of build_connector_meta"
+                )
+            seam.view.bind(scheduler)
+        meta = build(scheduler_output)
+        check_offloading_metadata(seam, meta, slot_key)
+        live = seam.view.scheduler.requests if seam.view.scheduler is not None else {}
+        seam.view.forget_finished(set(live))
+        return meta
+
+    def remembering_finished(request: Any, block_ids: Any) -> Any:
+        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else (block_ids,)
+        seam.view.remember_finished(request, groups[0] if groups else ())
+        return finished(request, block_ids)
+
+    connector_scheduler.build_connector_meta = checked_build
+    connector_scheduler.request_finished = remembering_finished
+    connector_scheduler.kvfsm_seam = seam
+
+
+def check_offloading_metadata(seam: SeamChecker, meta: Any, slot_key: Callable[[int], OffloadKey | None]) -> None:
+    """Each load and store job of vLLM's ``OffloadingConnectorMetadata`` against vLLM's block table."""
+    k = seam.blocks_per_chunk
+    for kind, jobs, gpu_side in (("load", meta.load_jobs, "dst_spec"), ("store", meta.store_jobs, "src_spec")):
+        for job_id, job in jobs.items():
+            gpu = getattr(job, gpu_side)
+            cpu = job.src_spec if gpu_side == "dst_spec" else job.dst_spec
+            keys: list[OffloadKey] = []
+            for slot in cpu.block_ids:
+                key = slot_key(int(slot))
+                if key is None:
+                    raise SeamViolationError(f"{kind} job {job_id}: CPU slot {int(slot)} holds no key kvfsm knows")
+                keys.append(key)
+            indices = list(getattr(gpu, "block_indices", None) or [0])
+            gpu_blocks = [int(b) for b in gpu.block_ids]
+            seam.check(int(job_id), kind, str(job.req_id), keys, gpu_blocks, int(indices[0]) % k)

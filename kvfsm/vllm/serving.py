@@ -360,8 +360,8 @@ def drain(llm: Any, max_steps: int = 10_000, timeout_s: float = 120.0) -> int | 
 
 
 def _generate(llm: Any, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[Any], float]:
-    from vllm.sampling_params import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, seed=0)
     started = time.perf_counter()
@@ -458,6 +458,170 @@ def run_workload(
         result.warnings = list(captured.records)
     result.wall_s = time.perf_counter() - started
     return result
+
+
+@dataclass
+class TtftResult:
+    """Time to first token on one engine, alternating a prompt it never saw (recompute) with the same
+    prompt after ``reset_prefix_cache()`` (its prefix from kvfsm, or recomputed on the reference route)."""
+
+    setup: EngineSetup
+    #: Per iteration, CPU seconds of this process (vLLM's engine, kvfsm's copy threads) and wall seconds.
+    miss_cpu_s: list[float] = field(default_factory=list)
+    hit_cpu_s: list[float] = field(default_factory=list)
+    miss_wall_s: list[float] = field(default_factory=list)
+    hit_wall_s: list[float] = field(default_factory=list)
+    #: Decode: CPU seconds per engine step of a batch of requests that all hit nothing.
+    decode_step_cpu_s: float = 0.0
+    external_hit_tokens: int = 0
+    prefix_bytes: int = 0
+    tokens_equal: bool = True
+
+    @staticmethod
+    def _median(values: Sequence[float]) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2] if ordered else float("nan")
+
+    @property
+    def miss_cpu(self) -> float:
+        return self._median(self.miss_cpu_s)
+
+    @property
+    def hit_cpu(self) -> float:
+        return self._median(self.hit_cpu_s)
+
+    @property
+    def hit_wall(self) -> float:
+        return self._median(self.hit_wall_s)
+
+    @property
+    def miss_wall(self) -> float:
+        return self._median(self.miss_wall_s)
+
+
+def _timed_first_token(llm: Any, prompt: list[int]) -> tuple[list[int], float, float]:
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    return list(out[0].outputs[0].token_ids), cpu, wall
+
+
+def measure_ttft(
+    model_dir: Path, setup: EngineSetup, model: TinyModel, *, prefix_tokens: int, iterations: int = 5
+) -> TtftResult:
+    """Alternate, ``iterations`` times on one engine: a new prompt (recompute: time to first token with no
+    hit anywhere), then the same prompt after the GPU prefix cache is dropped (the hit). Medians of each."""
+    import random
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm.entrypoints.llm import LLM
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
+
+    config = kv_transfer_config(setup, model)
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**config)
+    llm = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        block_size=setup.block_size,
+        kv_cache_memory_bytes=setup.gpu_blocks * model.kv_bytes_per_block(setup.block_size),
+        max_model_len=setup.max_model_len,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    result = TtftResult(setup)
+    result.prefix_bytes = (prefix_tokens // setup.block_size) * model.kv_bytes_per_block(setup.block_size)
+    rng = random.Random(0)
+    try:
+        hits_before = _counter(llm, "vllm:external_prefix_cache_hits")
+        _timed_first_token(llm, [1 + rng.randrange(model.vocab - 1) for _ in range(prefix_tokens + 1)])  # warm-up
+        drain(llm)
+        for _ in range(iterations):
+            prompt = [1 + rng.randrange(model.vocab - 1) for _ in range(prefix_tokens + 1)]
+            tokens_miss, cpu, wall = _timed_first_token(llm, prompt)
+            result.miss_cpu_s.append(cpu)
+            result.miss_wall_s.append(wall)
+            drain(llm)  # the engine goes idle: the prefix is stored
+            llm.reset_prefix_cache()
+            tokens_hit, cpu, wall = _timed_first_token(llm, prompt)
+            result.hit_cpu_s.append(cpu)
+            result.hit_wall_s.append(wall)
+            result.tokens_equal &= tokens_hit == tokens_miss
+            drain(llm)
+            llm.reset_prefix_cache()
+        result.external_hit_tokens = _counter(llm, "vllm:external_prefix_cache_hits") - hits_before
+        # Decode steps with the connector on, no hits: four fresh short prompts, 32 tokens each.
+        prompts = [
+            TokensPrompt(prompt_token_ids=[1 + rng.randrange(model.vocab - 1) for _ in range(64)]) for _ in range(4)
+        ]
+        params = SamplingParams(max_tokens=32, temperature=0.0, detokenize=False, ignore_eos=True)
+        cpu = time.process_time()
+        llm.generate(prompts, params, use_tqdm=False)
+        result.decode_step_cpu_s = (time.process_time() - cpu) / 32
+        drain(llm)
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return result
+
+
+def demo(model_root: Path, *, stream: Any = None) -> int:
+    """``kvfsm demo --vllm``: the tiny model served twice, without kvfsm and with it; what kvfsm did."""
+    import sys
+
+    out = stream if stream is not None else sys.stdout
+    model = TinyModel()
+    model_dir = build_tiny_model(model_root, model)
+    workload = Workload()
+    print(f"model: a random-weight Llama ({model.layers} layers, hidden {model.hidden}) at {model_dir}", file=out)
+    print(
+        f"workload: {workload.num_prefixes} prefixes of {workload.prefix_tokens} tokens computed once, then "
+        f"reset_prefix_cache() and {workload.num_prefixes * workload.requests_per_prefix + workload.fresh_prompts} "
+        f"requests reusing them on a {EngineSetup().gpu_blocks}-block GPU cache",
+        file=out,
+    )
+    reference = run_workload(model_dir, EngineSetup(route="none"), workload, model)
+    served = run_workload(model_dir, EngineSetup(route="connector"), workload, model)
+    hit_tokens = served.external_hit_tokens[-1]
+    hit_bytes = hit_tokens // EngineSetup().block_size * model.kv_bytes_per_block(EngineSetup().block_size)
+    same = served.same_tokens(reference)
+    print(
+        f"prefix tokens loaded from kvfsm's CPU tier (vLLM's external hits): {hit_tokens} ({hit_bytes:,} bytes)",
+        file=out,
+    )
+    print(f"tokens identical to the engine with no connector: {'yes' if same else 'NO'}", file=out)
+    print(f"largest logprob difference: {served.max_logprob_diff(reference):.2e}", file=out)
+    print(
+        f"seam check: {served.seam_jobs_checked} jobs against vLLM's block table, "
+        f"{len(served.seam_violations)} violations",
+        file=out,
+    )
+    ttft = measure_ttft(
+        model_dir, EngineSetup(route="connector", gpu_blocks=80), model, prefix_tokens=960, iterations=3
+    )
+    print(
+        f"time to first token, 960-token prompt: recomputed {ttft.miss_wall * 1e3:.1f} ms, "
+        f"prefix from kvfsm's CPU tier {ttft.hit_wall * 1e3:.1f} ms (wall, medians of 3)",
+        file=out,
+    )
+    ok = same and not served.seam_violations and hit_tokens > 0 and ttft.tokens_equal
+    print(f"result: {'OK' if ok else 'FAILED'}", file=out)
+    return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

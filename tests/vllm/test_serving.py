@@ -220,3 +220,16 @@ def test_translation_before_the_fix_violates_the_seam(
 def test_tiny_model_is_built_once(model_root: Path, model_dir: Path) -> None:
     assert build_tiny_model(model_root) == model_dir
     assert build_tiny_model(model_root, TinyModel(layers=1)) != model_dir
+
+
+def test_demo_vllm_reports_hits_and_equal_tokens(model_root: Path) -> None:
+    """``kvfsm demo --vllm`` as a user runs it: what it prints is what the engine did."""
+    import io
+
+    from kvfsm.vllm.serving import demo
+
+    out = io.StringIO()
+    assert demo(model_root, stream=out) == 0
+    text = out.getvalue()
+    assert "tokens identical to the engine with no connector: yes" in text
+    assert "0 violations" in text and "result: OK" in text
