@@ -22,6 +22,9 @@ Sections (``--only`` picks some):
    (:mod:`kvfsm.bench.vllm_side`; only where vLLM is installed, else reported as not available).
 8. ``vllm-scheduler`` - optional, where vLLM is installed: the scheduler-side step cost of ``KvfsmConnector`` against
    vLLM's native ``OffloadingConnector`` inside vLLM's own Scheduler (:mod:`kvfsm.bench.vllm_scheduler`).
+9. ``e2e`` - opt-in (``--only e2e``), where a vLLM that computes tokens is installed: time to first token
+   recomputed against a hit from each kvfsm tier, decode step cost and bytes per second, on a serving vLLM
+   engine (:mod:`kvfsm.bench.e2e`).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -76,6 +79,8 @@ SECTIONS: tuple[str, ...] = (
     "vllm",
     "vllm-scheduler",
 )
+#: Sections only ``--only`` runs (a serving engine per setup: minutes).
+OPT_IN_SECTIONS: tuple[str, ...] = ("e2e",)
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -689,7 +694,61 @@ def _section_vllm_scheduler(opts: _Options, report: BenchReport) -> str:
     return head + table
 
 
+def _section_e2e(opts: _Options, report: BenchReport) -> str:
+    """Opt-in: a serving vLLM engine per setup (kvfsm/bench/e2e.py)."""
+    from kvfsm.bench import e2e
+
+    head = (
+        "(9) e2e: a serving vLLM engine, 8-layer model, 2,048-token prompt: time to first token recomputed vs a "
+        "hit from kvfsm (CPU ms, medians, alternating on each engine)\n"
+    )
+    missing = e2e.available()
+    if missing is not None:
+        report.results["e2e"] = {"available": False, "detail": missing}
+        return head + f"  not available ({missing})"
+    with Progress(1, "e2e", enabled=opts.show_progress) as bar:
+        rows = e2e.run_e2e(quick=opts.quick, repeats=opts.repeats)
+        bar.advance(f"{len(rows)} engines")
+    report.results["e2e"] = {"available": True, "rows": rows}
+    for r in rows[1:]:
+        report.goals.append(
+            Goal(
+                "e2e",
+                f"TTFT hit / recompute, {r['engine']}",
+                "< 1",
+                f"{r['hit_over_miss']:.2f}x",
+                r["hit_over_miss"] < 1,
+            )
+        )
+    return head + format_table(
+        (
+            "engine",
+            "recompute ms",
+            "hit ms",
+            "hit/recompute",
+            "decode step ms",
+            "step ratio",
+            "hit GB/s",
+            "tokens equal",
+        ),
+        [
+            (
+                r["engine"],
+                f"{r['ttft_miss_ms']:.1f}",
+                f"{r['ttft_hit_ms']:.1f}",
+                f"{r['hit_over_miss']:.2f}",
+                f"{r['decode_step_ms']:.2f}",
+                f"{r['decode_step_ratio']:.2f}",
+                f"{r['hit_bytes_per_s'] / 1e9:.2f}",
+                "yes" if r["tokens_equal"] else "NO",
+            )
+            for r in rows
+        ],
+    )
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
+    "e2e": _section_e2e,
     "drain": _section_drain,
     "control": _section_control,
     "lifecycle": _section_lifecycle,
@@ -755,9 +814,9 @@ def run_bench(
     ConfigError or WorkloadError, and no work done.
     """
     chosen = list(sections) if sections else list(SECTIONS)
-    unknown = [s for s in chosen if s not in SECTIONS]
+    unknown = [s for s in chosen if s not in SECTIONS + OPT_IN_SECTIONS]
     if unknown:
-        raise ConfigError(f"unknown bench section(s) {unknown}; expected some of {list(SECTIONS)}")
+        raise ConfigError(f"unknown bench section(s) {unknown}; expected some of {list(SECTIONS + OPT_IN_SECTIONS)}")
     stream = stream if stream is not None else sys.stdout
     opts = _Options(
         quick=quick,
