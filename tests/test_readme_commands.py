@@ -120,6 +120,15 @@ RUNS: dict[str, tuple[list[list[str]], Callable[[str, Path], None]]] = {
         _has("a valid behaviour of the spec", "engine timeline picture", "result: OK"),
     ),
     "kvfsm demo --plot docs/engine-timeline.png": ([["demo", "--plot", "docs/engine-timeline.png"]], _picture),
+    # Needs a vLLM that serves here (tox env e2e, which also runs kvfsm.vllm.serving.demo itself).
+    "kvfsm demo --vllm": (
+        [["demo", "--vllm"]],
+        _has("tokens identical to the engine with no connector: yes", "result: OK"),
+    ),
+    "kvfsm bench --only e2e": (
+        [["bench", "--only", "e2e", "--quick", "--quiet"]],
+        _has("(9) e2e: a serving vLLM engine", "bench finished"),
+    ),
     # HEAVY: the full `kvfsm bench` takes minutes; its documented --quick form runs whole in
     # tests/test_bench_smoke.py, here one quick section with the README's --jobs/--repeats.
     "kvfsm bench": (
@@ -202,6 +211,8 @@ def test_the_readme_command_works(command: str, work: Path, capsys: pytest.Captu
         pytest.importorskip("matplotlib")
     if any(argv[0] in ("demo", "bench") and "--help" not in argv for argv in runs):
         pytest.importorskip("torch")
+    if any("--vllm" in argv or "e2e" in argv for argv in runs):
+        pytest.importorskip("vllm.entrypoints.llm")
     out = ""
     for argv in runs:
         rc = _exit_code([a.format(w=work) for a in argv])

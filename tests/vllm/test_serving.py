@@ -233,3 +233,21 @@ def test_demo_vllm_reports_hits_and_equal_tokens(model_root: Path) -> None:
     text = out.getvalue()
     assert "tokens identical to the engine with no connector: yes" in text
     assert "0 violations" in text and "result: OK" in text
+
+
+def test_readme_vllm_example_runs(tmp_path: Path) -> None:
+    """The README's vLLM example, as a user runs it (a script; vLLM's multi-process engine)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Use with vLLM") :]
+    example = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert example is not None and "kv_transfer_config" in example.group(1)
+    script = tmp_path / "example.py"
+    script.write_text(example.group(1))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "prompt tokens 520, served from kvfsm: 512" in proc.stdout
