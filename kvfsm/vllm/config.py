@@ -9,10 +9,11 @@ starts with ``kvfsm_`` must be one of :data:`KEYS`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
-from kvfsm.errors import ConfigKeyError
+from kvfsm.errors import ConfigError, ConfigKeyError
+from kvfsm.vllm.connector_tiers import TierSettings, parse_tier_settings
 
 __all__ = ["KEYS", "VLLM_KEYS", "SpecConfig", "parse_extra_config"]
 
@@ -22,9 +23,14 @@ KEYS: Final[dict[str, str]] = {
     "eviction_policy": "'lru' (default) or 'arc': kvfsm's request-scoped policy with vLLM 0.33's rules",
     "store_threshold": "int >= 0 (default 0): offers a new chunk needs before it is stored; 0 or 1: no filter",
     "max_tracker_size": "int >= 1 (default 64000): chunks whose offers the store filter remembers",
-    "kvfsm_tier": "'none' (default) or 'fs': a file-system tier below the CPU tier (kvfsm's tiering manager)",
+    "kvfsm_tier": "'none' (default), 'fs' or 'redis': a secondary tier below the CPU tier (kvfsm's tiering manager)",
     "kvfsm_fs_path": "path (required with kvfsm_tier='fs'): directory of the fs tier's block files",
     "kvfsm_fs_capacity_bytes": "int > 0 or absent (default: unbounded): bytes the fs tier may hold",
+    "kvfsm_fs_durable": "bool (default false): the fs tier fsyncs each block and its directory",
+    "kvfsm_redis_url": "redis://host:port[/db] (required with kvfsm_tier='redis'): the Redis/Valkey server",
+    "kvfsm_redis_prefix": "string (default 'kvfsm'): start of every Redis key; engines alike with one prefix share",
+    "kvfsm_redis_cluster": "bool (default false): kvfsm_redis_url is one node of a Redis Cluster",
+    "kvfsm_redis_ttl_s": "int >= 1 or absent (default: the server's eviction): expiry of every Redis value",
     "kvfsm_copy_threads": "int >= 1 (default 2): copy threads of each worker's kvfsm copy backend",
     "kvfsm_checked": "bool (default false): run every spec-machine transition through transitions as well",
 }
@@ -43,7 +49,17 @@ VLLM_KEYS: Final[frozenset[str]] = frozenset(
 )
 
 _POLICIES: Final[dict[str, str]] = {"lru": "request-lru", "arc": "request-arc"}
-_TIERS: Final[tuple[str, ...]] = ("none", "fs")
+_TIERS: Final[tuple[str, ...]] = ("none", "fs", "redis")
+#: Route 1's tier keys -> the connector route's (kvfsm.vllm.connector_tiers parses both the same way).
+_TIER_KEY_NAMES: Final[dict[str, str]] = {
+    "kvfsm_fs_path": "fs_path",
+    "kvfsm_fs_capacity_bytes": "fs_capacity_bytes",
+    "kvfsm_fs_durable": "fs_durable",
+    "kvfsm_redis_url": "redis_url",
+    "kvfsm_redis_prefix": "redis_prefix",
+    "kvfsm_redis_cluster": "redis_cluster",
+    "kvfsm_redis_ttl_s": "redis_ttl_s",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +76,8 @@ class SpecConfig:
     fs_capacity_bytes: int | None = None
     copy_threads: int = 2
     checked: bool = False
+    #: The tier keys, as the connector route parses them (``tiers`` is ``()`` or the one tier).
+    tier_settings: TierSettings = field(default_factory=TierSettings)
 
 
 def _int(extra: Mapping[str, object], key: str, default: int | None, minimum: int) -> int | None:
@@ -109,6 +127,18 @@ def parse_extra_config(extra: Mapping[str, object]) -> SpecConfig:
     if tier != "fs" and fs_path is not None:
         raise ConfigKeyError("kvfsm_fs_path", f"set, but kvfsm_tier is {tier!r}; expected kvfsm_tier='fs'")
     fs_capacity = _int(extra, "kvfsm_fs_capacity_bytes", None, 1)
+    tier_extra: dict[str, object] = {"tiers": [] if tier == "none" else [tier]}
+    tier_extra.update({_TIER_KEY_NAMES[k]: v for k, v in extra.items() if k in _TIER_KEY_NAMES})
+    try:
+        tier_settings = parse_tier_settings(tier_extra)
+    except ConfigError as exc:
+        # The connector route's message names its own key: name route 1's instead.
+        message = str(exc)
+        bad = next((k for k, v in _TIER_KEY_NAMES.items() if f"[{v!r}]" in message), "kvfsm_tier")
+        for route1, route2 in _TIER_KEY_NAMES.items():
+            message = message.replace(f"kv_connector_extra_config[{route2!r}]", route1)
+        message = message.replace(f"'tiers' = {tier_extra['tiers']!r}", f"kvfsm_tier = {tier!r}")
+        raise ConfigKeyError(bad, message.replace("in 'tiers'", "as kvfsm_tier")) from None
     copy_threads = _int(extra, "kvfsm_copy_threads", 2, 1)
     checked = extra.get("kvfsm_checked", False)
     if not isinstance(checked, bool):
@@ -124,4 +154,5 @@ def parse_extra_config(extra: Mapping[str, object]) -> SpecConfig:
         fs_capacity_bytes=fs_capacity,
         copy_threads=copy_threads,
         checked=checked,
+        tier_settings=tier_settings,
     )

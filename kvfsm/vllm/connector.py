@@ -22,13 +22,37 @@ stores and evictions as vLLM's ``OffloadingConnector`` does (:class:`VllmEventTr
 ================== ======================================================================================
 ``num_slots``      CPU slots (one chunk each) per worker; required, int >= 1
 ``blocks_per_chunk`` GPU blocks per chunk (the unit of lookups, stores, loads); int >= 1, default 1
-``policy``         ``"lru"`` (default) or ``"arc"``
+``policy``         ``"lru"`` (default) or ``"arc"``: vLLM's eviction order (kvfsm's request-scoped
+                   ``request-lru`` / ``request-arc``, as the spec route); ``"commit-lru"`` /
+                   ``"commit-arc"``: kvfsm's plain commit-order LRU / ARC
 ``copy_threads``   copy threads per worker (CPU KV caches); int >= 1, default 2
 ``offload_prompt_only`` offload only prompt tokens, as vLLM's connector does (default false: generated
                    tokens too, once they fill a chunk)
 ``store_deadline_s`` / ``load_deadline_s``  seconds a store / load job may take (default 30; ``null``: none)
 ``lookup_wait_s``  seconds a request waits on a chunk not readable yet (default 5; ``null``: none)
 ``shutdown_s``     bound on ``shutdown()`` in seconds (default 20)
+``cascade_deadline_s`` / ``promote_deadline_s``  seconds a CPU -> tier cascade / tier -> CPU promotion may
+                   take (default 60 / 30; ``null``: none); a timed-out transfer stays quarantined (pending
+                   work) until its tier reports
+``tiers``          secondary tiers below the CPU tier, searched in this order on a CPU miss (kvfsm's
+                   :class:`~kvfsm.control.tiering.TieringManager`): a list of ``"fs"`` / ``"redis"``, or one
+                   name (default ``[]``: none). They move slot bytes in the scheduler process, so they need
+                   vLLM's uniproc executor (:mod:`kvfsm.vllm.connector_tiers`); a worker that finds no tier in
+                   its process raises :class:`~kvfsm.errors.ConfigError` at its first step
+``fs_path``        directory of the fs tier's block files (:class:`~kvfsm.tiers.fs.FileSystemTier`);
+                   required with ``"fs"``
+``fs_durable``     fsync each block and its directory (default false); the drain waits for the syncs
+``fs_capacity_bytes`` bytes the fs tier may hold, int >= 1 (default ``null``: unbounded)
+``redis_url``      ``redis://host:port[/db]`` (or ``rediss://``, ``unix://``) of the Redis / Valkey server
+                   (:class:`~kvfsm.tiers.redis.RedisTier`, extra ``kvfsm[redis]``); required with ``"redis"``
+``redis_prefix``   start of every Redis key (default ``"kvfsm"``); engines with the same model, KV geometry,
+                   dtype, world size and prefix share chunks
+``redis_cluster``  the URL is one node of a Redis Cluster (default false)
+``redis_ttl_s``    expiry of every value in seconds, int >= 1 (default ``null``: the server's eviction)
+``checked``        check every step's jobs against vLLM's block table (spec/invariants.toml,
+                   ``job_copies_engine_block``; :mod:`kvfsm.vllm.seam`): a job whose GPU blocks are not the
+                   ones vLLM holds for its keys raises :class:`~kvfsm.errors.SeamViolationError` before it is
+                   handed to a worker (default: the ``KVFSM_CHECKED`` environment variable)
 ================== ======================================================================================
 """
 
@@ -42,7 +66,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -57,10 +80,24 @@ from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.deadlines import Deadlines, run_bounded
 from kvfsm.control.messages import RankReport, RemoteWorker, StepMessage, StepResult
 from kvfsm.control.scheduler import OffloadingScheduler, ScheduledRequest, SchedulerOutput
+from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import OffloadingEvent, OffloadKey
 from kvfsm.control.worker import OffloadingWorker
 from kvfsm.errors import ConfigError, KvfsmError
+from kvfsm.machines.compiled import checked_mode_default
 from kvfsm.machines.names import RequestState
+from kvfsm.vllm.connector_tiers import (
+    TIER_KEYS,
+    EngineTiers,
+    TierSettings,
+    WorkerTierBinding,
+    bind_worker_pool,
+    build_tiers,
+    namespace_of,
+    parse_tier_settings,
+    register_tiers,
+)
+from kvfsm.vllm.seam import SeamChecker, find_vllm_scheduler
 
 RUNNING = RequestState.RUNNING
 _GROUP_0 = (0,)
@@ -75,6 +112,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvfsm.control.manager import SecondaryTier
     from kvfsm.data.worker import BackendFactory
 
 __all__ = [
@@ -101,10 +139,15 @@ class KvfsmSettings:
 
     num_slots: int
     blocks_per_chunk: int = 1
-    policy: str = "lru"
+    #: kvfsm's policy name (``request-lru`` for the key's default ``"lru"``: vLLM's eviction order).
+    policy: str = "request-lru"
     copy_threads: int = 2
     offload_prompt_only: bool = False
+    #: The secondary tiers and their keys.
+    tiers: TierSettings = field(default_factory=TierSettings)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    #: Check every job against vLLM's block table (the seam check); None: ``KVFSM_CHECKED`` decides.
+    checked: bool | None = None
 
 
 _DEADLINE_KEYS = {
@@ -112,8 +155,20 @@ _DEADLINE_KEYS = {
     "load_deadline_s": "load_s",
     "lookup_wait_s": "lookup_wait_s",
     "shutdown_s": "shutdown_s",
+    "cascade_deadline_s": "cascade_s",
+    "promote_deadline_s": "promote_s",
 }
-_KEYS = {"num_slots", "blocks_per_chunk", "policy", "copy_threads", "offload_prompt_only", *_DEADLINE_KEYS}
+#: The ``policy`` key -> kvfsm's policy: vLLM's order by default (as the spec route), kvfsm's plain ones by name.
+_POLICIES = {
+    "lru": "request-lru",
+    "arc": "request-arc",
+    "request-lru": "request-lru",
+    "request-arc": "request-arc",
+    "commit-lru": "lru",
+    "commit-arc": "arc",
+}
+_KEYS = {"num_slots", "blocks_per_chunk", "policy", "copy_threads", "offload_prompt_only", "checked", *_DEADLINE_KEYS}
+_KEYS.update(TIER_KEYS)
 
 
 def _positive_int(key: str, value: object) -> int:
@@ -132,12 +187,18 @@ def parse_settings(extra: Mapping[str, Any]) -> KvfsmSettings:
         )
     if "num_slots" not in extra:
         raise ConfigError("kv_connector_extra_config lacks 'num_slots' (CPU slots per worker); expected an int >= 1")
-    policy = extra.get("policy", "lru")
-    if policy not in ("lru", "arc"):
-        raise ConfigError(f"kv_connector_extra_config['policy'] = {policy!r}; expected 'lru' or 'arc'")
+    policy_key = extra.get("policy", "lru")
+    policy = _POLICIES.get(policy_key) if isinstance(policy_key, str) else None
+    if policy is None:
+        raise ConfigError(
+            f"kv_connector_extra_config['policy'] = {policy_key!r}; expected one of {', '.join(map(repr, _POLICIES))}"
+        )
     prompt_only = extra.get("offload_prompt_only", False)
     if not isinstance(prompt_only, bool):
         raise ConfigError(f"kv_connector_extra_config['offload_prompt_only'] = {prompt_only!r}; expected true or false")
+    checked = extra.get("checked")
+    if checked is not None and not isinstance(checked, bool):
+        raise ConfigError(f"kv_connector_extra_config['checked'] = {checked!r}; expected true, false or null")
     limits: dict[str, float | None] = {}
     for key, name in _DEADLINE_KEYS.items():
         if key in extra:
@@ -149,18 +210,20 @@ def parse_settings(extra: Mapping[str, Any]) -> KvfsmSettings:
     deadlines = Deadlines(
         store_s=limits.get("store_s", defaults.store_s),
         load_s=limits.get("load_s", defaults.load_s),
-        cascade_s=defaults.cascade_s,
-        promote_s=defaults.promote_s,
+        cascade_s=limits.get("cascade_s", defaults.cascade_s),
+        promote_s=limits.get("promote_s", defaults.promote_s),
         lookup_wait_s=limits.get("lookup_wait_s", defaults.lookup_wait_s),
         shutdown_s=limits.get("shutdown_s", defaults.shutdown_s),
     )
     return KvfsmSettings(
         num_slots=_positive_int("num_slots", extra["num_slots"]),
         blocks_per_chunk=_positive_int("blocks_per_chunk", extra.get("blocks_per_chunk", 1)),
-        policy=str(policy),
+        policy=policy,
         copy_threads=_positive_int("copy_threads", extra.get("copy_threads", 2)),
         offload_prompt_only=prompt_only,
+        tiers=parse_tier_settings(extra),
         deadlines=deadlines,
+        checked=checked,
     )
 
 
@@ -225,15 +288,43 @@ class _RequestView:
         return bool(self._request.status == RequestStatus.FINISHED_ABORTED)
 
 
+def _resumed_req_ids(cached: Any) -> frozenset[str]:
+    """The cached requests vLLM resumed from preemption this step, from whichever field this vLLM has:
+    ``resumed_req_ids`` (a set, vLLM >= 0.11) or ``resumed_from_preemption`` (one bool per request)."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:
+        return frozenset(resumed)
+    flags = getattr(cached, "resumed_from_preemption", None)
+    if flags is None:
+        raise KvfsmError(
+            "vLLM's CachedRequestData has neither resumed_req_ids nor resumed_from_preemption; "
+            "expected one of them (vLLM 0.32-0.34)"
+        )
+    return frozenset(req_id for req_id, flag in zip(cached.req_ids, flags, strict=True) if flag)
+
+
 def scheduler_output_of(output: VllmSchedulerOutput) -> SchedulerOutput:
-    """vLLM's scheduler output as kvfsm's: scheduled requests, preemptions, every block handed out."""
+    """vLLM's scheduler output as kvfsm's: scheduled requests, preemptions, every block handed out.
+
+    Whether a request's blocks are its whole table or blocks to append comes from vLLM's structures, never
+    from a flag: a request in ``scheduled_new_reqs`` carries its whole table, and so does a cached request
+    in the resumed set; every other cached request carries only its new blocks. (vLLM's ``yield_req_data``
+    flags a new request ``False`` in 0.32 and ``True`` in 0.33; reading that flag with one meaning doubled a
+    request's block list on the other version, and later stores copied the wrong GPU block.)
+    """
     scheduled: list[ScheduledRequest] = []
     allocated: set[int] = set()
     num_tokens: Mapping[str, int] = output.num_scheduled_tokens
-    for req_id, groups, is_full_table in yield_req_data(output):
+    for new in output.scheduled_new_reqs:
+        groups = new.block_ids
         blocks = tuple(groups[0]) if groups else ()
-        scheduled.append(ScheduledRequest(req_id, blocks, num_tokens.get(req_id, 0), bool(is_full_table)))
-    for copy in output.kv_cache_block_copies or ():
+        scheduled.append(ScheduledRequest(new.req_id, blocks, num_tokens.get(new.req_id, 0), True))
+    cached = output.scheduled_cached_reqs
+    resumed = _resumed_req_ids(cached)
+    for req_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        blocks = tuple(groups[0]) if groups else ()
+        scheduled.append(ScheduledRequest(req_id, blocks, num_tokens.get(req_id, 0), req_id in resumed))
+    for copy in getattr(output, "kv_cache_block_copies", None) or ():
         allocated.add(int(copy.dst_block_id))
     return SchedulerOutput(
         scheduled=tuple(scheduled),
@@ -345,11 +436,23 @@ class KvfsmConnector(KVConnectorBase_V1):
         self.events_enabled = events_config is not None and bool(events_config.enable_kv_cache_events)
         self._events = VllmEventTranslator()
         self._pending_events: list[KVCacheEvent] = []
+        #: This engine's tiers and pools in this process (kvfsm.vllm.connector_tiers); None without tiers.
+        self.engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", None))
+        self._tier_entry: EngineTiers | None = None
+        self._tier_binding: WorkerTierBinding | None = None
         if role == KVConnectorRole.SCHEDULER:
-            manager = CPUOffloadingManager(
+            primary = CPUOffloadingManager(
                 self.settings.num_slots, self.settings.policy, enable_events=self.events_enabled
             )
+            manager: CPUOffloadingManager | TieringManager = primary
+            if self.settings.tiers.tiers:
+                manager = TieringManager(primary, self._build_tiers(vllm_config), deadlines=self.settings.deadlines)
             self.scheduler = OffloadingScheduler(self.config, manager, deadlines=self.settings.deadlines)
+        checked = self.settings.checked if self.settings.checked is not None else checked_mode_default()
+        #: The seam check (checked mode): every job against vLLM's block table, on the scheduler side.
+        self.seam: SeamChecker | None = (
+            SeamChecker(self.settings.blocks_per_chunk) if checked and role == KVConnectorRole.SCHEDULER else None
+        )
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -357,6 +460,24 @@ class KvfsmConnector(KVConnectorBase_V1):
         if self.scheduler is None:
             raise KvfsmError("a scheduler-side KvfsmConnector method was called on the worker-role connector")
         return self.scheduler
+
+    def _build_tiers(self, vllm_config: VllmConfig) -> list[SecondaryTier]:
+        """The configured tiers, registered under this engine's id for the workers' pools to bind."""
+        tiers = self.settings.tiers
+        namespace = None
+        if "redis" in tiers.tiers:
+            model_config = getattr(vllm_config, "model_config", None)
+            namespace = namespace_of(
+                str(getattr(model_config, "model", "") or "unknown"),
+                self._kv_cache_config,
+                self.config.tokens_per_block,
+                self.settings.blocks_per_chunk,
+                self.world_size,
+                tiers.redis_prefix,
+            )
+        built = build_tiers(tiers, self.settings.deadlines, namespace)
+        self._tier_entry = register_tiers(self.engine_id, built, self.world_size)
+        return built
 
     @override
     def on_new_request(self, request: Request) -> None:
@@ -388,7 +509,29 @@ class KvfsmConnector(KVConnectorBase_V1):
 
     @override
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
-        return KvfsmConnectorMetadata(self._sched().build_step_message(scheduler_output_of(scheduler_output)))
+        sched = self._sched()
+        message = sched.build_step_message(scheduler_output_of(scheduler_output))
+        if self.seam is not None:
+            self._check_seam(sched, message)
+        return KvfsmConnectorMetadata(message)
+
+    def _check_seam(self, sched: OffloadingScheduler, message: StepMessage) -> None:
+        """Checked mode: each job of this step against vLLM's block table, before any worker sees it."""
+        seam = self.seam
+        assert seam is not None
+        if seam.view.scheduler is None:
+            scheduler = find_vllm_scheduler()
+            if scheduler is None:
+                raise KvfsmError(
+                    "KvfsmConnector checked mode: vLLM's Scheduler is not on the call stack of "
+                    "build_connector_meta; expected vLLM's engine to call it (or bind one: connector.seam.view.bind)"
+                )
+            seam.view.bind(scheduler)
+        for spec in (*message.load_jobs, *message.store_jobs):
+            job = sched.job(spec.job_id)
+            keys = job.keys if job is not None else ()
+            seam.check(spec.job_id, spec.kind.value, spec.req_id, keys, spec.gpu_block_ids, spec.first_block_offset)
+        seam.view.forget_finished({r for r in seam.view.finished if sched.is_tracked(r)})
 
     @override
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -402,6 +545,8 @@ class KvfsmConnector(KVConnectorBase_V1):
     @override
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Never delays the free: a store still reading a freed block is fenced and flushed before reuse.
+        if self.seam is not None:
+            self.seam.view.remember_finished(request, block_ids)
         self._sched().request_finished(_RequestView(request))
         return False, None
 
@@ -458,11 +603,21 @@ class KvfsmConnector(KVConnectorBase_V1):
         )
         factory = default_backend if self.backend_factory is None else self.backend_factory
         backend = factory(layers, pool, self.settings.blocks_per_chunk, self.settings.copy_threads)
-        self.worker = RemoteWorker(OffloadingWorker(self._worker_rank(), self.world_size, backend))
+        rank = self._worker_rank()
+        self.worker = RemoteWorker(OffloadingWorker(rank, self.world_size, backend))
+        tiers = self.settings.tiers.tiers
+        if tiers:
+            # The tiers (in the scheduler, in this process with vLLM's uniproc executor) move this pool's bytes;
+            # checked at the first step, when the scheduler has registered its tiers whatever the order.
+            self._tier_binding = bind_worker_pool(self.engine_id, rank, self.world_size, pool, tiers)
+            self._tier_entry = self._tier_binding.entry
 
     def _remote(self) -> RemoteWorker:
         if self.worker is None:
             raise KvfsmError("KvfsmConnector worker: register_kv_caches was not called before the first step")
+        if self._tier_binding is not None:
+            self._tier_binding.check()  # ConfigError: no scheduler with this engine's tiers in this process
+            self._tier_binding = None
         return self.worker
 
     def _message(self) -> StepMessage:

@@ -1,4 +1,4 @@
-"""kvfsm's managers behind vLLM 0.33's ``OffloadingManager`` interface: a thin type adapter.
+"""kvfsm's managers behind vLLM's ``OffloadingManager`` interface (vLLM 0.32-0.34): a thin type adapter.
 
 All the bookkeeping is kvfsm's (:class:`kvfsm.control.cpu.CPUOffloadingManager`, or
 :class:`kvfsm.control.tiering.TieringManager` with the file-system tier); this module only converts
@@ -9,6 +9,10 @@ vLLM's records to kvfsm's and back:
 - ``Collection`` arguments (vLLM passes sets) become lists; kvfsm orders them itself (reservation order);
 - kvfsm's ``SlotSpec`` becomes a ``CPULoadStoreSpec``, its events vLLM's ``OffloadingEvent`` (medium CPU);
 - ``get_stats`` reports kvfsm's counts as vLLM's CPU gauges and allocation histogram.
+
+The interface differs between the supported vLLM versions; :mod:`kvfsm.vllm.compat` detects each difference
+(``touch`` exists up to 0.33, ``OffloadingEvent.metadata_only`` and ``CPUOffloadingInfo`` from 0.33 on, the
+stored event's ``req_context`` from 0.34 on).
 """
 
 from __future__ import annotations
@@ -19,19 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import override
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
-from vllm.v1.kv_offload.base import (
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    RequestOffloadingContext,
-)
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
-from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
-from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import OffloadingManager as KvfsmManager
@@ -40,6 +31,30 @@ from kvfsm.control.types import LookupResult as KvfsmLookup
 from kvfsm.control.types import OffloadKey
 from kvfsm.control.types import ReqContext as KvfsmContext
 from kvfsm.errors import ConfigKeyError
+from kvfsm.vllm.compat import (
+    event_carries_request_context,
+    event_has_metadata_only,
+    manager_has_touch,
+    require_supported_vllm,
+)
+
+# Before any other vLLM import: an unsupported vLLM gets one error naming the supported range, not an
+# ImportError of whichever name it happens to lack first.
+require_supported_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 __all__ = [
     "ARCPolicyView",
@@ -78,7 +93,8 @@ class _KvfsmRequest:
 class KvfsmOffloadingManager(OffloadingManager):
     """Any kvfsm manager as a vLLM ``OffloadingManager`` (its CPU primary gives the stats)."""
 
-    def __init__(self, manager: KvfsmManager, info: CPUOffloadingInfo | None = None) -> None:
+    def __init__(self, manager: KvfsmManager, info: Any = None) -> None:
+        """``info``: vLLM's ``CPUOffloadingInfo`` (vLLM 0.33 on; None reports no config-info facts)."""
         primary = manager.primary
         if primary is None:
             raise ConfigKeyError("spec_name", "kvfsm's vLLM adapter needs a manager with a CPU primary")
@@ -90,11 +106,36 @@ class KvfsmOffloadingManager(OffloadingManager):
         self._contexts = 0
         self._skipped_reported = 0
         self._sizes_reported: dict[int, int] = {}
+        #: vLLM 0.34 on: the vLLM request context whose store completed each key, until its stored event is
+        #: taken (vLLM's events tracker builds a self-describing event's payload from it).
+        self._stored_by: dict[OffloadKey, Any] = {}
+        self._events_carry_context = event_carries_request_context() and self._primary.enable_events
+        #: CPU slot -> the key it was last handed out for (a load's or a store's), kept only for the seam
+        #: check of checked mode (:meth:`track_slot_keys`); None: not kept.
+        self._slot_keys: dict[int, OffloadKey] | None = None
 
     @property
     def kvfsm_manager(self) -> KvfsmManager:
         """The kvfsm manager doing the work."""
         return self._manager
+
+    def track_slot_keys(self) -> None:
+        """Keep :meth:`slot_key` answering from now on (checked mode's seam check: it names the key each job's
+        CPU slot holds, which vLLM's metadata carries only as slot ids)."""
+        if self._slot_keys is None:
+            self._slot_keys = {}
+
+    def slot_key(self, slot_id: int) -> OffloadKey | None:
+        """The key CPU slot ``slot_id`` was last prepared for (a load or a store), or None."""
+        return self._slot_keys.get(slot_id) if self._slot_keys is not None else None
+
+    def _remember_slots(self, keys: Iterable[OffloadKey]) -> None:
+        if self._slot_keys is None:
+            return
+        for key in keys:
+            slot_id = self._primary.slot_id(key)
+            if slot_id is not None:
+                self._slot_keys[slot_id] = key
 
     def _ctx(self, req_context: Any) -> KvfsmContext:
         state = req_context.get_state(_KvfsmRequest)
@@ -127,6 +168,7 @@ class KvfsmOffloadingManager(OffloadingManager):
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: Any) -> Any:
         spec = self._manager.prepare_load(list(keys), self._ctx(req_context))
+        self._remember_slots(keys)
         return CPULoadStoreSpec(list(spec.slot_ids))
 
     def _prepare_load(self, keys: Collection[OffloadKey], req_context: Any, *, record_access: bool) -> Any:
@@ -137,6 +179,7 @@ class KvfsmOffloadingManager(OffloadingManager):
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        """vLLM 0.32 and 0.33 only (removed below where vLLM's interface has no ``touch``)."""
         self._manager.touch(list(keys), self._ctx(req_context))
 
     @override
@@ -148,6 +191,7 @@ class KvfsmOffloadingManager(OffloadingManager):
         out = self._manager.prepare_store(list(keys), self._ctx(req_context))
         if out is None:
             return None
+        self._remember_slots(out.keys_to_store)
         return PrepareStoreOutput(
             keys_to_store=list(out.keys_to_store),
             store_spec=CPULoadStoreSpec(list(out.store_spec.slot_ids)),
@@ -157,6 +201,8 @@ class KvfsmOffloadingManager(OffloadingManager):
     @override
     def complete_store(self, keys: Collection[OffloadKey], req_context: Any, success: bool = True) -> None:
         self._manager.complete_store(list(keys), self._ctx(req_context), success)
+        if success and self._events_carry_context:
+            self._stored_by.update(dict.fromkeys(keys, req_context))
 
     @override
     def on_request_finished(self, req_context: Any) -> None:
@@ -166,13 +212,28 @@ class KvfsmOffloadingManager(OffloadingManager):
 
     @override
     def take_events(self) -> Iterator[Any]:
+        with_metadata_only = event_has_metadata_only()
+        stored_by, self._stored_by = self._stored_by, {}
         for event in self._manager.take_events():
-            yield OffloadingEvent(
-                keys=list(event.keys),
-                medium=Medium.CPU if event.medium == "CPU" else Medium.STORAGE,
-                removed=event.removed,
-                metadata_only=event.metadata_only,
-            )
+            medium = Medium.CPU if event.medium == "CPU" else Medium.STORAGE
+            if self._events_carry_context and not event.removed and medium is Medium.CPU:
+                # vLLM 0.34's CPU manager marks its stored events as ones whose removal will be announced
+                # (kvfsm announces every eviction too) and names the request that stored them.
+                yield OffloadingEvent(
+                    keys=list(event.keys),
+                    medium=medium,
+                    removed=False,
+                    removal_expected=True,
+                    req_context=stored_by.get(event.keys[0]) if event.keys else None,
+                )
+            elif with_metadata_only:
+                yield OffloadingEvent(
+                    keys=list(event.keys), medium=medium, removed=event.removed, metadata_only=event.metadata_only
+                )
+            elif not event.metadata_only:
+                # vLLM 0.32 has no metadata-only removal: it announces nothing for a failed store, whose keys
+                # no stored event ever published, so kvfsm drops that removal as 0.32's own manager would.
+                yield OffloadingEvent(keys=list(event.keys), medium=medium, removed=event.removed)
 
     @override
     def on_schedule_end(self, context: Any) -> None:
@@ -213,6 +274,11 @@ class KvfsmOffloadingManager(OffloadingManager):
     @override
     def shutdown(self) -> None:
         self._manager.shutdown()
+
+
+if not manager_has_touch():
+    # vLLM 0.34 dropped touch() from the interface: the adapter offers no method vLLM does not define.
+    del KvfsmOffloadingManager.touch
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +376,7 @@ class KvfsmCPUOffloadingManager(KvfsmOffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
-        info: CPUOffloadingInfo | None = None,
+        info: Any = None,
         *,
         checked: bool = False,
     ) -> None:

@@ -101,6 +101,8 @@ class SeamChecker:
     view: VllmEngineView = field(default_factory=VllmEngineView)
     strict: bool = True
     jobs_checked: int = 0
+    #: Jobs checked per kind (``load``, ``store``).
+    checked_by_kind: dict[str, int] = field(default_factory=dict)
     violations: list[SeamViolation] = field(default_factory=list)
 
     def check(
@@ -117,6 +119,7 @@ class SeamChecker:
             job_id, kind, req_id, keys, job_blocks, first_block_offset, hashes, table, self.blocks_per_chunk
         )
         self.jobs_checked += 1
+        self.checked_by_kind[kind] = self.checked_by_kind.get(kind, 0) + 1
         if violation is None:
             return
         self.violations.append(violation)

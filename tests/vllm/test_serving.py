@@ -75,6 +75,7 @@ def assert_served_right(run: RunResult, reference: RunResult, *, in_process: boo
     assert run.seam_violations == []
     if in_process:
         assert run.seam_jobs_checked > 0, "checked mode must have checked every job against vLLM's block table"
+        assert run.seam_loads_checked > 0, "no load job was checked against vLLM's allocation"
         assert run.ended_idle, "vLLM's engine core must go idle with nothing pending"
     assert run.tokens == reference.tokens, "tokens differ from the engine with no connector"
     assert run.max_logprob_diff(reference) <= LOGPROB_TOLERANCE

@@ -1,10 +1,12 @@
-"""kvfsm's OffloadingSpec as vLLM 0.33 loads it (``spec_module_path="kvfsm.vllm"``), on vLLM's own classes.
+"""kvfsm's OffloadingSpec as vLLM 0.32-0.34 loads it (``spec_module_path="kvfsm.vllm"``), on vLLM's own classes.
 
 The spec is built by vLLM's ``OffloadingSpecFactory`` from a ``kv_connector_extra_config``; its manager is
 driven through vLLM's ``OffloadingManager`` interface and its worker through vLLM's ``OffloadingWorker``
 interface, with real bytes in CPU KV-cache tensors (the ground truth is the tensors, not bookkeeping).
 
-Needs vLLM 0.33 (the ``vllm`` tox env, which runs it on CPU); skipped where vLLM is not installed. No
+Needs vLLM 0.32, 0.33 or 0.34 (the ``vllm`` and ``vllm034`` tox envs run it on CPU); skipped where vLLM is not
+installed. Where the versions differ (0.34's workers take device pointers), the helpers below build what the
+installed version's connector would pass. No
 conftest.py here: one would clash with tests/conftest.py under mypy, and ``tests/vllm`` itself must not be
 taken for vLLM (``importorskip`` asks for ``vllm.v1``, which only the real package has).
 """
@@ -16,7 +18,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM 0.33 (pip install 'kvfsm[vllm]')")
+pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM 0.32-0.34 (pip install 'kvfsm[vllm]')")
+
+import dataclasses
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -41,6 +45,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvfsm.control.tiering import TieringManager
 from kvfsm.errors import ConfigKeyError
+from kvfsm.vllm.compat import worker_takes_device_pointers
 from kvfsm.vllm.manager import KvfsmOffloadingManager
 from kvfsm.vllm.spec import KvfsmOffloadingSpec
 
@@ -49,15 +54,15 @@ PAGE = 256  # bytes of one KV block in the test's canonical tensor
 NUM_BLOCKS = 16
 
 
-def offloading_config(extra: dict[str, Any], engine_id: str = "kvfsm-test") -> Any:
+def offloading_config(extra: dict[str, Any], engine_id: str = "kvfsm-test", blocks_per_chunk: int = 1) -> Any:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer",), 0),),
         worker_kv_bytes_per_block=PAGE,
         enable_kv_cache_events=True,
         extra_config=extra,
         engine_id=engine_id,
-        model=OffloadingModelConfig(name="test-model", dtype="float16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        model=model_config(),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,
             world_size=1,
@@ -71,6 +76,25 @@ def offloading_config(extra: dict[str, Any], engine_id: str = "kvfsm-test") -> A
             is_parallelism_agnostic=False,
         ),
     )
+
+
+def model_config() -> Any:
+    """vLLM 0.33 added ``max_model_len`` (the config-info metric's token count); 0.32 has no such field."""
+    fields = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
+    extra = {"max_model_len": 4096} if "max_model_len" in fields else {}
+    return OffloadingModelConfig(name="test-model", dtype="float16", **extra)
+
+
+def device_side(block_ids: list[int], caches: Any, first_index: int = 0) -> Any:
+    """The GPU side of a job as the installed vLLM's connector passes it to the worker: a GPULoadStoreSpec
+    (0.32, 0.33) or the device pointers vLLM 0.34 resolves from one. ``first_index``: the logical index of
+    the first block in its request (vLLM's ``block_indices``)."""
+    spec = GPULoadStoreSpec(block_ids, group_sizes=[len(block_ids)], block_indices=[first_index])
+    if not worker_takes_device_pointers():
+        return spec
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+    return resolve_device_pointers(spec, caches)
 
 
 def key(i: int) -> Any:
@@ -132,13 +156,11 @@ def test_worker_stores_and_loads_real_bytes_through_kvfsm_copy_backend() -> None
     caches, tensor = kv_caches()
     worker = spec.get_worker(caches)
     original = tensor[[2, 3]].clone()
-    src = GPULoadStoreSpec([2, 3], group_sizes=[2], block_indices=[0])
-    assert worker.submit_store(1, src, CPULoadStoreSpec([5, 0]))
+    assert worker.submit_store(1, device_side([2, 3], caches), CPULoadStoreSpec([5, 0]))
     worker.wait({1})
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(1, True)]
     tensor[[2, 3]] = 0  # the GPU blocks are reused: only the CPU copy holds the bytes now
-    dst = GPULoadStoreSpec([7, 9], group_sizes=[2], block_indices=[0])
-    assert worker.submit_load(2, CPULoadStoreSpec([5, 0]), dst)
+    assert worker.submit_load(2, CPULoadStoreSpec([5, 0]), device_side([7, 9], caches))
     worker.wait({2})
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
     assert torch.equal(tensor[[7, 9]], original)
@@ -156,7 +178,7 @@ def test_fs_tier_route_writes_cascaded_blocks_under_its_path(tmp_path: Path) -> 
     manager.on_new_request(ctx)
     out = manager.prepare_store([key(0)], ctx)
     assert out is not None
-    assert worker.submit_store(1, GPULoadStoreSpec([4], group_sizes=[1], block_indices=[0]), out.store_spec)
+    assert worker.submit_store(1, device_side([4], caches), out.store_spec)
     worker.wait({1})
     assert [r.success for r in worker.get_finished()] == [True]
     manager.complete_store([key(0)], ctx)
