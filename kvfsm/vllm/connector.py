@@ -289,17 +289,15 @@ class _RequestView:
 
 
 def _resumed_req_ids(cached: Any) -> frozenset[str]:
-    """The cached requests vLLM resumed from preemption this step, from whichever field this vLLM has:
-    ``resumed_req_ids`` (a set, vLLM >= 0.11) or ``resumed_from_preemption`` (one bool per request)."""
+    """The cached requests vLLM resumed from preemption this step, carrying their whole table, from whichever
+    field this vLLM has: ``resumed_req_ids`` (a set: 0.32, 0.33) or ``resumed_from_preemption`` (one bool per
+    request: older). vLLM 0.34 has neither: it sends a resumed request again in ``scheduled_new_reqs``, whole."""
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
         return frozenset(resumed)
     flags = getattr(cached, "resumed_from_preemption", None)
     if flags is None:
-        raise KvfsmError(
-            "vLLM's CachedRequestData has neither resumed_req_ids nor resumed_from_preemption; "
-            "expected one of them (vLLM 0.32-0.34)"
-        )
+        return frozenset()
     return frozenset(req_id for req_id, flag in zip(cached.req_ids, flags, strict=True) if flag)
 
 

@@ -22,7 +22,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SchedulerDriver", "WorkloadSpec", "import_scheduler", "make_request", "opt_config_dir", "scheduler_config"]
+__all__ = [
+    "SchedulerDriver",
+    "WorkloadSpec",
+    "import_scheduler",
+    "make_request",
+    "model_runner_output",
+    "opt_config_dir",
+    "scheduler_config",
+]
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for ``req_ids``, with ``req_id_to_index`` where this vLLM has the field
+    (0.32, 0.33; 0.34 dropped it)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    names = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    if "req_id_to_index" in names:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
 
 
 def import_scheduler() -> None:
@@ -257,7 +278,7 @@ class SchedulerDriver:
 
     def finish_step(self, out: Any) -> None:
         """What the workers and the model return for ``out``, handed to ``update_from_output``."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         self._take_jobs(out.kv_connector_metadata)
         req_ids = list(out.num_scheduled_tokens)
@@ -269,9 +290,8 @@ class SchedulerDriver:
         for rank in range(self.world_size):
             done = [p for p in self.pending.values() if p.due[rank] == self.step_index]
             outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                model_runner_output(
+                    req_ids,
                     sampled_token_ids=sampled,
                     kv_connector_output=KVConnectorOutput(
                         finished_recving={p.req_id for p in done if p.is_load},

@@ -153,10 +153,14 @@ def install_offloading_check(
         seam.view.forget_finished(set(live))
         return meta
 
-    def remembering_finished(request: Any, block_ids: Any) -> Any:
-        groups = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else (block_ids,)
-        seam.view.remember_finished(request, groups[0] if groups else ())
-        return finished(request, block_ids)
+    def remembering_finished(request: Any, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's OffloadingConnectorScheduler.request_finished takes the request only: its table is read
+        # from vLLM's block table before vLLM frees the blocks.
+        scheduler = seam.view.scheduler
+        if scheduler is not None:
+            groups = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+            seam.view.remember_finished(request, groups[0] if groups else ())
+        return finished(request, *args, **kwargs)
 
     connector_scheduler.build_connector_meta = checked_build
     connector_scheduler.request_finished = remembering_finished

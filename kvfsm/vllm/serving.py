@@ -313,7 +313,10 @@ def seam_checker(llm: Any) -> Any | None:
     scheduler_side, _ = kvfsm_connectors(llm)
     if scheduler_side is None:
         return None
-    return getattr(scheduler_side, "seam", None)
+    seam = getattr(scheduler_side, "seam", None)
+    if seam is None:  # route 1: the check sits on vLLM's connector scheduler
+        seam = getattr(getattr(scheduler_side, "connector_scheduler", None), "kvfsm_seam", None)
+    return seam
 
 
 def cpu_pools(llm: Any) -> list[Any]:
@@ -400,6 +403,7 @@ def run_workload(
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    import torch
     from vllm.entrypoints.llm import LLM
 
     result = RunResult(setup)
@@ -437,7 +441,7 @@ def run_workload(
                         if not pools:
                             raise RuntimeError("found no kvfsm CPU pool to corrupt (in-process engines only)")
                         for pool in pools:
-                            pool.data.normal_(0.0, 1.0)
+                            pool.data.view(torch.uint8).random_(0, 256)  # noise whatever the KV dtype
                 outputs, first = _generate(llm, workload.prompts(r), workload.max_tokens)
                 result.first_token_s.append(first)
                 result.tokens.append([list(o.outputs[0].token_ids) for o in outputs])

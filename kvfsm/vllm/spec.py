@@ -24,19 +24,18 @@ Importing this module on a vLLM outside 0.32-0.34 raises :class:`kvfsm.vllm.comp
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from typing_extensions import override
 
 from kvfsm.control.cpu import CPUOffloadingManager
+from kvfsm.control.deadlines import Deadlines
 from kvfsm.control.manager import OffloadingManager as KvfsmManager
 from kvfsm.control.tiering import TieringManager
 from kvfsm.control.types import GPUBlockSpec, SlotSpec
@@ -44,7 +43,6 @@ from kvfsm.control.worker import CopyBackend
 from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.errors import ConfigError, ConfigKeyError, KvfsmError
-from kvfsm.tiers.fs import FileSystemTier
 from kvfsm.vllm.compat import (
     connector_handles_failed_jobs,
     has_offloading_info,
@@ -53,6 +51,7 @@ from kvfsm.vllm.compat import (
     worker_takes_device_pointers,
 )
 from kvfsm.vllm.config import SpecConfig, parse_extra_config
+from kvfsm.vllm.connector_tiers import bind_worker_pool, build_tiers, register_tiers
 
 # Before any vLLM import: an unsupported vLLM gets one error naming the supported range, not an ImportError
 # of whichever name it happens to lack first.
@@ -65,16 +64,10 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
 from kvfsm.vllm.manager import KvfsmOffloadingManager  # noqa: E402
 
-__all__ = ["KvfsmOffloadingSpec", "KvfsmOffloadingWorker"]
+if TYPE_CHECKING:
+    from kvfsm.tiers.redis_codec import Namespace
 
-# The fs tier moves slot bytes in the scheduler process; with vLLM's in-process executor the worker's pool
-# is in the same process, so a tier and the pool of the same engine id are bound to each other by whichever
-# of the two is built second: vLLM's engine core builds its workers (and so the pool) before its scheduler,
-# a test may build them the other way round. A tier left without a pool (the scheduler in another process
-# than the worker) fails its first transfer with a ConfigError saying so.
-_FS_TIERS: weakref.WeakValueDictionary[str, FileSystemTier] = weakref.WeakValueDictionary()
-_FS_POOLS: dict[str, CPUSlotPool] = {}  # a pool waiting for its engine's tier (popped when bound)
-_FS_LOCK = threading.Lock()
+__all__ = ["KvfsmOffloadingSpec", "KvfsmOffloadingWorker"]
 
 
 def _builds_meta(owner: Any) -> bool:
@@ -254,6 +247,9 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
         )
         self._manager: KvfsmOffloadingManager | None = None
         self._worker: KvfsmOffloadingWorker | None = None
+        # The tier registry holds entries weakly: the spec keeps its engine's entry alive.
+        self._tier_entry: Any = None
+        self._tier_binding: Any = None
 
     @classmethod
     @override
@@ -280,16 +276,28 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
         )
         if cfg.tier == "none":
             return primary
-        assert cfg.fs_path is not None  # parse_extra_config requires it with the fs tier
-        tier = FileSystemTier(cfg.fs_path, capacity_bytes=cfg.fs_capacity_bytes)
-        with _FS_LOCK:
-            engine = str(self.config.engine_id)
-            pool = _FS_POOLS.pop(engine, None)
-            if pool is not None:
-                tier.slot_io = pool
-            else:
-                _FS_TIERS[engine] = tier
-        return TieringManager(primary, [tier], checked=cfg.checked)
+        tiers = build_tiers(cfg.tier_settings, Deadlines(), self._redis_namespace() if cfg.tier == "redis" else None)
+        # Tiers move slot bytes in this (the scheduler's) process; the worker's pool joins them by engine id,
+        # whichever of the two is built first (kvfsm/vllm/connector_tiers.py).
+        self._tier_entry = register_tiers(str(self.config.engine_id), tiers, 1)
+        return TieringManager(primary, tiers, checked=cfg.checked)
+
+    def _redis_namespace(self) -> Namespace:
+        """The Redis namespace: the model, the KV bytes of one block on every rank, the chunk geometry."""
+        from kvfsm.tiers.redis_codec import Namespace
+
+        model = getattr(self.config, "model", None)
+        return Namespace(
+            model=str(getattr(model, "name", "") or "unknown"),
+            num_layers=1,
+            num_heads=int(self.config.parallel.world_size),
+            head_dim=max(1, int(self.config.worker_kv_bytes_per_block)),
+            tokens_per_block=max(1, int(getattr(self.config.cache, "tokens_per_hash", 1))),
+            blocks_per_chunk=int(self.blocks_per_chunk),
+            dtype=str(getattr(model, "dtype", "unknown")),
+            world_size=int(self.config.parallel.world_size),
+            prefix=self.kvfsm_config.tier_settings.redis_prefix,
+        )
 
     @override
     def get_manager(self) -> Any:
@@ -335,14 +343,10 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
         pool = CPUSlotPool(
             self.num_chunks, int(self.blocks_per_chunk), rows[0], len(tensors), tensors[0].dtype, pin_memory=on_gpu
         )
-        if self.kvfsm_config.tier == "fs":
-            with _FS_LOCK:
-                engine = str(self.config.engine_id)
-                tier = _FS_TIERS.pop(engine, None)
-                if tier is not None:
-                    tier.slot_io = pool
-                else:
-                    _FS_POOLS[engine] = pool
+        if self.kvfsm_config.tier != "none":
+            self._tier_binding = bind_worker_pool(
+                str(self.config.engine_id), 0, 1, pool, self.kvfsm_config.tier_settings.tiers
+            )
         bytes_per_block = pool.nbytes_per_slot // int(self.blocks_per_chunk)
         if on_gpu:
             # kvfsm's CUDA backend: batched copies on its own streams, ordered after the forward's writes.

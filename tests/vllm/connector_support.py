@@ -47,7 +47,7 @@ from kvfsm.data.backend import ThreadPoolCopyBackend
 from kvfsm.data.gate import CopyGate
 from kvfsm.data.pool import CPUSlotPool
 from kvfsm.vllm.connector import KvfsmConnector
-from kvfsm.vllm.drive import make_request, opt_config_dir, scheduler_config
+from kvfsm.vllm.drive import make_request, model_runner_output, opt_config_dir, scheduler_config
 
 __all__ = ["BLOCK_SIZE", "Rig", "StepRecord", "opt_config_dir"]
 
@@ -246,9 +246,8 @@ class Rig:
             wmeta = worker.build_connector_worker_meta()
             worker.clear_connector_metadata()
             outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                model_runner_output(
+                    req_ids,
                     sampled_token_ids=sampled,
                     kv_connector_output=KVConnectorOutput(
                         finished_sending=sending,

@@ -107,7 +107,7 @@ def test_fs_tier(
     route: str, tier: str, blocks_per_chunk: int, model_dir: Path, reference: RunResult, tmp_path: Path
 ) -> None:
     """A CPU tier too small for the prefixes: they come back through the fs tier below it."""
-    setup = _setup(route, tier, tmp_path, blocks_per_chunk=blocks_per_chunk, cpu_chunks=8)
+    setup = _setup(route, tier, tmp_path, blocks_per_chunk=blocks_per_chunk, cpu_chunks=16 // blocks_per_chunk)
     run = run_workload(model_dir, setup, WORKLOAD)
     assert_served_right(run, reference)
     assert any((tmp_path / "fs-tier").rglob("*")), "the fs tier wrote no file"
@@ -118,7 +118,9 @@ def test_fs_tier(
 def test_redis_tier(
     route: str, blocks_per_chunk: int, model_dir: Path, reference: RunResult, redis_url: str, tmp_path: Path
 ) -> None:
-    setup = _setup(route, "redis", tmp_path, redis_url, blocks_per_chunk=blocks_per_chunk, cpu_chunks=8)
+    setup = _setup(
+        route, "redis", tmp_path, redis_url, blocks_per_chunk=blocks_per_chunk, cpu_chunks=16 // blocks_per_chunk
+    )
     run = run_workload(model_dir, setup, WORKLOAD)
     assert_served_right(run, reference)
 
