@@ -375,6 +375,38 @@ def drain(llm: Any, max_steps: int = 10_000, timeout_s: float = 120.0) -> int | 
     return steps
 
 
+def _build_engine(model_dir: Path, setup: EngineSetup, model: TinyModel) -> Any:
+    """vLLM's ``LLM`` over ``model_dir`` as ``setup`` says (float32, eager, prefix caching, stats on)."""
+    from vllm.entrypoints.llm import LLM
+
+    config = kv_transfer_config(setup, model)
+    kwargs: dict[str, Any] = {}
+    if config is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**config)
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        block_size=setup.block_size,
+        kv_cache_memory_bytes=setup.gpu_blocks * model.kv_bytes_per_block(setup.block_size),
+        max_model_len=setup.max_model_len,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        **kwargs,
+    )
+
+
+def _close_engine(llm: Any) -> None:
+    """Shut vLLM's engine core down (kvfsm's connectors with it); the caller drops ``llm`` and collects."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
 def _generate(llm: Any, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[Any], float]:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import SamplingParams
@@ -404,31 +436,11 @@ def run_workload(
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     import torch
-    from vllm.entrypoints.llm import LLM
 
     result = RunResult(setup)
     started = time.perf_counter()
-    config = kv_transfer_config(setup, model)
-    kwargs: dict[str, Any] = {}
-    if config is not None:
-        from vllm.config import KVTransferConfig
-
-        kwargs["kv_transfer_config"] = KVTransferConfig(**config)
     with _kvfsm_warnings() as captured:
-        llm = LLM(
-            model=str(model_dir),
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype="float32",
-            seed=0,
-            block_size=setup.block_size,
-            kv_cache_memory_bytes=setup.gpu_blocks * model.kv_bytes_per_block(setup.block_size),
-            max_model_len=setup.max_model_len,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            enable_prefix_caching=True,
-            disable_log_stats=False,
-            **kwargs,
-        )
+        llm = _build_engine(model_dir, setup, model)
         try:
             hits_before = _counter(llm, "vllm:external_prefix_cache_hits")
             preemptions_before = _counter(llm, "vllm:num_preemptions")
@@ -469,8 +481,7 @@ def run_workload(
             core = _engine_core(llm)
             result.ended_idle = core is None or not _has_work(core)
         finally:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            _close_engine(llm)
             del llm
             gc.collect()
         result.warnings = list(captured.records)
@@ -536,30 +547,10 @@ def measure_ttft(
     import random
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm.entrypoints.llm import LLM
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import SamplingParams
 
-    config = kv_transfer_config(setup, model)
-    kwargs: dict[str, Any] = {}
-    if config is not None:
-        from vllm.config import KVTransferConfig
-
-        kwargs["kv_transfer_config"] = KVTransferConfig(**config)
-    llm = LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
-        seed=0,
-        block_size=setup.block_size,
-        kv_cache_memory_bytes=setup.gpu_blocks * model.kv_bytes_per_block(setup.block_size),
-        max_model_len=setup.max_model_len,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
-        enable_prefix_caching=True,
-        disable_log_stats=False,
-        **kwargs,
-    )
+    llm = _build_engine(model_dir, setup, model)
     result = TtftResult(setup)
     result.prefix_bytes = (prefix_tokens // setup.block_size) * model.kv_bytes_per_block(setup.block_size)
     rng = random.Random(0)
@@ -591,8 +582,7 @@ def measure_ttft(
         result.decode_step_cpu_s = (time.process_time() - cpu) / 32
         drain(llm)
     finally:
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        _close_engine(llm)
         del llm
         gc.collect()
     return result
