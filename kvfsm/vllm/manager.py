@@ -93,13 +93,19 @@ class _KvfsmRequest:
 class KvfsmOffloadingManager(OffloadingManager):
     """Any kvfsm manager as a vLLM ``OffloadingManager`` (its CPU primary gives the stats)."""
 
-    def __init__(self, manager: KvfsmManager, info: Any = None) -> None:
-        """``info``: vLLM's ``CPUOffloadingInfo`` (vLLM 0.33 on; None reports no config-info facts)."""
+    def __init__(self, manager: KvfsmManager, info: Any = None, keepalive: Any = None) -> None:
+        """``info``: vLLM's ``CPUOffloadingInfo`` (vLLM 0.33 on; None reports no config-info facts).
+
+        ``keepalive``: an object that lives as long as this manager. The spec passes its engine's tier-registry
+        entry (held weakly by the registry): vLLM's connector scheduler keeps the manager but drops the spec,
+        so without it the entry of a scheduler built before its worker is collected and the tiers never bind.
+        """
         primary = manager.primary
         if primary is None:
             raise ConfigKeyError("spec_name", "kvfsm's vLLM adapter needs a manager with a CPU primary")
         self.medium = Medium.CPU
         self._manager = manager
+        self._keepalive = keepalive
         self._primary: CPUOffloadingManager = primary
         self._num_chunks = primary.num_slots
         self._config_info: dict[str, Any] = dict(info.as_config_info()) if info is not None else {}

@@ -247,7 +247,8 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
         )
         self._manager: KvfsmOffloadingManager | None = None
         self._worker: KvfsmOffloadingWorker | None = None
-        # The tier registry holds entries weakly: the spec keeps its engine's entry alive.
+        # The tier registry holds entries weakly: the spec and its manager (which vLLM's connector scheduler
+        # keeps after dropping the spec) keep their engine's entry alive.
         self._tier_entry: Any = None
         self._tier_binding: Any = None
 
@@ -302,7 +303,8 @@ class KvfsmOffloadingSpec(CPUOffloadingSpec):
     @override
     def get_manager(self) -> Any:
         if self._manager is None:
-            self._manager = KvfsmOffloadingManager(self._build_manager(), self.cpu_info)
+            core = self._build_manager()  # registers the tiers (self._tier_entry) when there are any
+            self._manager = KvfsmOffloadingManager(core, self.cpu_info, keepalive=self._tier_entry)
             if self.kvfsm_config.checked:
                 self._install_seam_check(self._manager)
         return self._manager
