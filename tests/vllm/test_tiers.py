@@ -370,3 +370,60 @@ def test_import_kvfsm_needs_no_vllm() -> None:
     code = "import sys, kvfsm, kvfsm.tiers, kvfsm.vllm; assert 'vllm' not in sys.modules and 'torch' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=str(Path(__file__).parents[2]))
+
+
+# ---------------------------------------------------------------------------------------------- the README
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+_EXAMPLE_MARK = "<!-- kvfsm:route3-example"
+
+
+def _readme_route3() -> tuple[dict[str, Any], str]:
+    """The README's route-3 ``kv_transfer_config`` (its code block, run as a user would paste it), and the
+    README text of that section."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(_EXAMPLE_MARK)
+    block = text[text.index("```python\n", start) + len("```python\n") :]
+    block = block[: block.index("```")]
+    scope: dict[str, Any] = {}
+    exec(compile(block, "README.md (route 3)", "exec"), scope)  # the README's own example, as a user pastes it
+    section = text[text.rindex("### ", 0, start) :]
+    return scope["kv_transfer_config"], section[: section.index("\n### ", 1)]
+
+
+def test_the_readmes_route3_example_serves_through_both_tiers(tmp_path: Path, redis_server: RedisServer) -> None:
+    """The README's example, with its fs path and Redis URL pointed at this test's: vLLM's factory loads both of
+    kvfsm's tiers from it, every chunk reaches both (block files, server keys), and comes back byte for byte."""
+    config, _ = _readme_route3()
+    assert config["kv_connector"] == "OffloadingConnector"
+    extra = config["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    entries = [dict(e) for e in extra["secondary_tiers"]]
+    by_type = {e["type"]: e for e in entries}
+    assert set(by_type) == {"KvfsmFsTier", "KvfsmRedisTier"}
+    by_type["KvfsmFsTier"]["fs_path"] = str(tmp_path / "fs")
+    by_type["KvfsmRedisTier"]["redis_url"] = redis_server.url
+    manager = build(entries)
+    try:
+        fs, redis = manager.secondary_tiers
+        assert isinstance(fs, KvfsmFsTier) and isinstance(redis, KvfsmRedisTier)
+        assert fs.tier.durable  # the example's fs_durable
+        store(manager, range(3), "writer")
+        settle(manager)
+        assert sorted(fs.tier.keys()) == sorted(key(i) for i in range(3))
+        assert redis_server.client().dbsize() == 3
+        empty_primary(manager)
+        assert load(manager, range(3), "reader") == {i: payload(i) for i in range(3)}
+        assert not manager.has_pending_work()
+    finally:
+        manager.shutdown()
+
+
+def test_the_readme_documents_every_key_of_the_tiers() -> None:
+    """The README's key table names exactly the keys the adapters accept."""
+    from kvfsm.vllm.tiers import ADAPTER_KEYS, FS_KEYS, REDIS_KEYS
+
+    _, section = _readme_route3()
+    documented = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert documented == set(FS_KEYS) | set(REDIS_KEYS) | set(ADAPTER_KEYS)
