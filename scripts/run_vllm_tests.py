@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Run vLLM's own offloading tests (vLLM 0.33 or 0.34) with kvfsm in place of vLLM's CPU manager and CPU spec.
+"""Run vLLM's own offloading tests (vLLM 0.32 to 0.34) with kvfsm in place of vLLM's CPU manager, CPU spec and fs tier.
 
-    python scripts/run_vllm_tests.py --vllm-src DIR [--fetch] [--suite cpu|connector|all] [--native] [pytest args]
+    python scripts/run_vllm_tests.py --vllm-src DIR [--fetch] [--suite cpu|connector|tiering|all] [--native] [ARGS]
     python scripts/run_vllm_tests.py --install-vllm VERSION
+
+ARGS go to pytest as they are.
 
 ``--fetch`` first puts vLLM's tests under DIR: vLLM's wheel has none, so they come from the PyPI sdist of
 the installed version (``pip download --no-binary :all: --no-clean`` unpacks it; building its metadata
@@ -15,6 +17,9 @@ vLLM's test files are not edited. Before pytest imports any of them, the plugin 
   afterwards (vLLM's tiering primary subclasses it) gets kvfsm's manager;
 - registers ``KvfsmOffloadingSpec`` under vLLM's spec name ``CPUOffloadingSpec``, so a connector test that
   asks for the CPU spec gets kvfsm's;
+- with the ``tiering`` suite (or ``all``) only: replaces ``vllm.v1.kv_offload.tiering.fs.manager.FileSystemTierManager``
+  by kvfsm's ``KvfsmFsTier`` behind vLLM's constructor (:func:`fs_tier_with_vllm_keys`), so vLLM's fs-tier
+  tests, and the tier factory's ``"fs"`` type, get kvfsm's fs tier;
 - marks the tests of ``kvfsm/vllm/deliberate_differences.toml`` that name the installed vLLM's minor version
   (``vllm = ["0.33", ...]``) xfail (strict: one that starts passing fails the run), each with its written reason.
 
@@ -22,6 +27,9 @@ vLLM's test files are not edited. Before pytest imports any of them, the plugin 
 pins ``flashinfer-python==0.7.3``, a release PyPI does not have, so plain ``pip install vllm==0.34.0`` cannot
 resolve. The install takes vLLM without its dependencies, then every dependency of its metadata (markers
 evaluated) except the unresolvable FlashInfer pins, which the CPU suites never import.
+
+``--native`` runs the same suites on vLLM's own classes (no plugin): the baseline. Parts of a suite that do not
+run, with the reason, are in :data:`SUITE_EXCLUDES`.
 
 It also writes the offline Hugging Face config stub the tests need for their hard-coded model name (no
 weights) and runs on CPU (``CUDA_VISIBLE_DEVICES=""``, ``VLLM_TARGET_DEVICE=cpu``, ``HF_HUB_OFFLINE=1``).
@@ -49,6 +57,25 @@ SUITES = {
         "tests/v1/kv_offload/cpu/policies",
     ],
     "connector": ["tests/v1/kv_connector/unit/offloading_connector"],
+    # vLLM's tiering manager on kvfsm's primary, its secondary tiers, and its fs-tier tests on kvfsm's fs tier.
+    "tiering": ["tests/v1/kv_offload/tiering"],
+}
+
+#: What of a suite's paths is not run: (a file, or one test's node id; why).
+SUITE_EXCLUDES = {
+    "tiering": [
+        (
+            "tests/v1/kv_offload/tiering/test_p2p_lifecycle_e2e.py",
+            "serves a real model through vLLM's vllm_runner fixture (tests/conftest.py, vLLM's whole test "
+            "requirements and the model's weights); the same p2p lifecycle runs as unit tests in tiering/p2p",
+        ),
+        (
+            "tests/v1/kv_offload/tiering/p2p/test_manager.py::TestBidirectionalManager::"
+            "test_lookup_expiry_allows_zmq_reconnect",
+            "waits at most 5 s of wall time for a real ZMQ reconnect; it fails now and then on vLLM's own "
+            "classes too (--native) on a loaded machine, so neither pass nor xfail would be a verdict",
+        ),
+    ],
 }
 
 #: The one model name vLLM's test helpers hard-code; only its config is read.
@@ -144,12 +171,49 @@ def install_vllm(version: str) -> None:
     subprocess.run([*pip, *deps], check=True)
 
 
+def fs_tier_with_vllm_keys() -> type:
+    """kvfsm's ``KvfsmFsTier`` behind the constructor of vLLM's ``FileSystemTierManager``.
+
+    vLLM's fs-tier tests build the tier with vLLM's keyword arguments; this subclass maps them to kvfsm's
+    ``secondary_tiers`` keys and adds nothing else: ``root_dir`` becomes ``fs_path``; ``enable_kv_events``
+    and ``locality`` are the same keys on both; the thread counts are accepted and ignored, because kvfsm's
+    tier sizes its own dual-queue pool (two read and two write threads) and has no key for it. Built on
+    call, since importing ``kvfsm.vllm.tiers`` needs vLLM, which ``--install-vllm`` runs without.
+    """
+    from typing import Any as AnyType
+
+    from kvfsm.vllm.tiers import KvfsmFsTier
+
+    class KvfsmFsTierWithVllmKeys(KvfsmFsTier):
+        def __init__(
+            self,
+            offloading_spec: AnyType,
+            primary_kv_view: memoryview,
+            tier_type: str,
+            root_dir: str,
+            n_read_threads: int = 16,
+            n_write_threads: int = 16,
+            enable_kv_events: bool = False,
+            locality: str | None = None,
+            backpressure_detector: AnyType = None,
+        ) -> None:
+            keys: dict[str, AnyType] = {"fs_path": root_dir, "enable_kv_events": enable_kv_events}
+            if locality is not None:
+                keys["locality"] = locality
+            super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **keys)
+
+    return KvfsmFsTierWithVllmKeys
+
+
 class KvfsmPlugin:
     """Puts kvfsm in vLLM's place at configure time (before any test module is imported)."""
 
-    def __init__(self, differences: list[dict[str, str]]) -> None:
+    def __init__(self, differences: list[dict[str, str]], *, substitute_fs_tier: bool) -> None:
         self.differences = differences
         self.used: set[str] = set()
+        #: Whether vLLM's FileSystemTierManager is replaced by kvfsm's fs tier (the tiering suite only).
+        self.substitute_fs_tier = substitute_fs_tier
+        self.native_fs_tier: type | None = None
 
     def pytest_configure(self, config: Any) -> None:
         import vllm.v1.kv_offload.cpu.manager as vllm_cpu_manager
@@ -163,6 +227,13 @@ class KvfsmPlugin:
         from kvfsm.vllm.spec import KvfsmOffloadingSpec
 
         OffloadingSpecFactory._registry["CPUOffloadingSpec"] = lambda: KvfsmOffloadingSpec
+        if self.substitute_fs_tier:
+            # vLLM's fs-tier tests import the class from this module, and the tier factory's "fs" entry
+            # looks it up there when called: both get kvfsm's fs tier.
+            import vllm.v1.kv_offload.tiering.fs.manager as vllm_fs_manager
+
+            self.native_fs_tier = vllm_fs_manager.FileSystemTierManager
+            vllm_fs_manager.FileSystemTierManager = fs_tier_with_vllm_keys()  # type: ignore[misc]
         config.addinivalue_line("markers", "cpu_test: vLLM's marker of CPU-only tests")
 
     def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
@@ -175,17 +246,22 @@ class KvfsmPlugin:
                     item.add_marker(pytest.mark.xfail(reason=f"[{e['category']}] {e['reason']}", strict=True))
 
     def pytest_collection_finish(self, session: Any) -> None:
-        """Every module (vLLM's and the tests') must see kvfsm's manager: fail if vLLM's was bound first."""
+        """Every module (vLLM's and the tests') must see kvfsm's manager (and fs tier, where it replaces vLLM's):
+        fail if vLLM's class was bound first."""
         from kvfsm.vllm.manager import KvfsmCPUOffloadingManager
 
-        stale = sorted(
-            name
-            for name, module in list(sys.modules.items())
-            # The module's own namespace, not getattr: a lazy module (transformers) would import on lookup.
-            if getattr(module, "__dict__", {}).get("CPUOffloadingManager") is self.native_manager
-        )
-        if stale:
-            raise SystemExit(f"kvfsm: these modules still bind vLLM's CPUOffloadingManager: {stale}")
+        replaced = {"CPUOffloadingManager": self.native_manager}
+        if self.native_fs_tier is not None:
+            replaced["FileSystemTierManager"] = self.native_fs_tier
+        for class_name, native in replaced.items():
+            stale = sorted(
+                name
+                for name, module in list(sys.modules.items())
+                # The module's own namespace, not getattr: a lazy module (transformers) would import on lookup.
+                if getattr(module, "__dict__", {}).get(class_name) is native
+            )
+            if stale:
+                raise SystemExit(f"kvfsm: these modules still bind vLLM's {class_name}: {stale}")
         tiering = sys.modules.get("vllm.v1.kv_offload.tiering.manager")
         if tiering is not None and not issubclass(tiering.CPUPrimaryTierOffloadingManager, KvfsmCPUOffloadingManager):
             raise SystemExit("kvfsm: vLLM's tiering primary does not run on kvfsm's manager")
@@ -262,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     absent = [p for s in suites for p in SUITES[s] if not (src / p).exists()]
     if absent:
         print(f"run_vllm_tests: this vLLM's tests lack {absent}", file=sys.stderr)
+    if not paths:
+        # pytest given no path would collect the whole sdist tree.
+        print(f"run_vllm_tests: this vLLM's tests have none of suite {args.suite!r}", file=sys.stderr)
+        return 2
+    excluded = [(p, why) for s in suites for p, why in SUITE_EXCLUDES.get(s, []) if (src / p.split("::")[0]).exists()]
+    for node, why in excluded:
+        print(f"run_vllm_tests: not running {node}: {why}", file=sys.stderr)
     import pytest
 
     # An ini file of the sdist tree's own makes it pytest's rootdir: where the tree lies inside kvfsm's checkout
@@ -282,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                 "--confcutdir",
                 "tests/v1",
                 "-q",
+                *(f"--deselect={node}" if "::" in node else f"--ignore={node}" for node, _ in excluded),
                 *paths,
                 *rest,
             ],
-            plugins=[] if args.native else [KvfsmPlugin(load_differences(installed_minor()))],
+            plugins=[]
+            if args.native
+            else [KvfsmPlugin(load_differences(installed_minor()), substitute_fs_tier="tiering" in suites)],
         )
     )
 
