@@ -318,6 +318,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("--jobs", type=int_in(1, 6), default=None, metavar="N", help="store jobs in all (2; 1 to 6)")
     p.add_argument("--cascades", type=int_in(0, 6), default=None, metavar="N", help="cascades in all (1; 0 to 6)")
     p.add_argument("--drain", choices=["non_blocking", "blocking"], default=None, help="the engine's drain mode")
+    p.add_argument(
+        "--tier-pending",
+        choices=["honest", "always"],
+        default=None,
+        help="always: the last tier's has_pending_work() never turns False (vLLM's KVCR tier)",
+    )
     p.add_argument("--no-failures", action="store_true", help="copies never fail")
     p.add_argument("--liveness", action="store_true", help="also emit the LTL liveness claim")
     p.set_defaults(func=_cmd_export)

@@ -94,6 +94,9 @@ def test_liveness_catches_an_engine_that_never_goes_idle(monkeypatch: pytest.Mon
     v = result.violations[0]
     assert v.label is None and v.states[-1].engine is not EngineState.IDLE
     assert "never reach idle" in format_trace(v)
+    # The run after it, by progress events only, ends in a cycle the engine never leaves.
+    assert v.lasso and v.loop >= 0 and "repeats forever" in format_trace(v)
+    assert all(s.engine is not EngineState.IDLE for s in v.lasso_states)
 
 
 def test_a_violation_has_a_shortest_readable_trace(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,6 +54,11 @@ PINNED: dict[str, tuple[Bounds, DrainMode, tuple[int, int, int, int, list[tuple[
         DrainMode.BLOCKING,
         (5300, 17751, 0, 148, [("responsiveness", 7)], "3c119a1dc9b7f37e"),
     ),
+    "tier-pending-always": (
+        dataclasses.replace(SMALL, tier_pending_always=True),
+        DrainMode.NON_BLOCKING,
+        (5284, 17855, 0, 166, [("liveness", 1)], "88a793e5f61a7f6a"),
+    ),
     "no-failures-three-workers": (
         dataclasses.replace(SMALL, failures=False, workers=3),
         DrainMode.NON_BLOCKING,
@@ -68,6 +73,13 @@ PINNED: dict[str, tuple[Bounds, DrainMode, tuple[int, int, int, int, list[tuple[
         dataclasses.replace(SMALL, tiers=0, workers=3, chunks=2, slots=2),
         DrainMode.NON_BLOCKING,
         (6106, 21362, 0, 297, [], "141901f19e251653"),
+    ),
+    # Two chunks promoted from a tier: a deferred scan goes on to the first miss, so one scan reserves
+    # both promotions (spec/README.md, "A deferred scan goes on to the first miss").
+    "promotions-two-chunks": (
+        dataclasses.replace(SMALL, chunks=2, slots=2, promotions=True, workers=1),
+        DrainMode.NON_BLOCKING,
+        (7390, 22480, 0, 237, [], "144005a55f9f2f4f"),
     ),
     "two-prompts": (
         dataclasses.replace(SMALL, prompts=2, chunks=2, slots=2, resets=0),

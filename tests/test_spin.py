@@ -8,6 +8,7 @@ every planted bug of tests/planted_bugs.py that the generated composition can ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from kvfsm.check.promela import PROPERTIES, PromelaBounds, generate
 from kvfsm.check.properties import DrainMode, load_properties
 from kvfsm.check.spin import INSTALL_HINT, format_trace, parse_pan, parse_replay, run_spin
 from kvfsm.cli import main as cli_main
+from kvfsm.errors import ConfigError
 from kvfsm.machines import engine_machine, job_machine
 from kvfsm.machines.compiled import CompiledEdge
 from kvfsm.machines.loader import load_invariants
@@ -230,6 +232,33 @@ def test_spin_and_native_checker_agree_on_draining_forever() -> None:
     assert safety.ok, safety.report  # no invariant breaks: only the path property does
     assert live.violated == ("liveness",), live.report
     assert any(t.cycle for t in live.trace), format_trace(live)  # the acceptance cycle, replayed
+    assert [v.invariant for v in native.violations] == ["liveness"]
+
+
+def test_a_tier_always_pending_is_generated_into_the_other_pending_work() -> None:
+    assert "#define TIER_PENDING_ALWAYS 0" in generate()
+    text = generate(PromelaBounds(tier_pending_always=True))
+    assert "#define TIER_PENDING_ALWAYS 1" in text
+    assert "#define OTHER_PENDING (!abandoned && (QUARANTINE || MGR_PENDING || TIER_PENDING_ALWAYS))" in text
+    with pytest.raises(ConfigError, match="tier_pending_always"):
+        PromelaBounds(tiers=0, tier_pending_always=True)
+
+
+@needs_spin
+def test_spin_and_native_checker_agree_on_a_tier_that_is_never_idle() -> None:
+    """vLLM's KVCR tier, whose has_pending_work() is always True (kvfsm check --tier-pending always): no safety
+    assertion breaks, and SPIN's LTL claim finds the acceptance cycle of empty steps in draining, as the native
+    checker's liveness check finds the engine that never goes idle."""
+    small = PromelaBounds(jobs=1, requests=1, slots=1, resets=0, preemptions=0, tier_pending_always=True)
+    safety = run_spin(small, optimize=False)
+    live = run_spin(dataclasses.replace(small, liveness=True), optimize=False)
+    assert safety.ok, safety.report
+    assert live.violated == ("liveness",), live.report
+    cycle = [t for t in live.trace if t.cycle]
+    assert cycle and all(t.event == "the engine runs a step" for t in cycle), format_trace(live)
+    assert all(t.state is not None and t.state.startswith("engine=draining") for t in cycle)
+    tiny = Bounds(requests=1, prompts=1, chunks=1, slots=1, groups=1, resets=0, preemptions=0, tier_pending_always=True)
+    native = explore(tiny)
     assert [v.invariant for v in native.violations] == ["liveness"]
 
 

@@ -7,7 +7,9 @@ spec machine for an event it disables) is a violation on that edge. Once every s
 liveness check runs on the explored graph by reverse reachability: every state must be able to reach an
 idle engine with nothing pending using only the engine's own steps, the requests' ends and transfer
 completions (no new arrivals, no reset), so no execution can stay in ``draining`` (or anywhere else)
-forever while transfers keep completing.
+forever while transfers keep completing. A liveness violation is the shortest path to the first state that
+cannot, followed by a run from it by those events alone that never reaches the goal: into the nearest cycle
+(one with nothing left to do first), or to a state that none of them leaves (:attr:`Violation.lasso`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Final
 from typing_extensions import override
 
 from kvfsm.check.model import (
+    E_DONE,
     E_NAMES,
     E_RUN,
     KIND_NAMES,
@@ -82,6 +85,13 @@ class Violation:
     path: tuple[Label, ...]  #: shortest sequence of events from the initial state
     states: tuple[State, ...]  #: the canonical states along the path, the initial one first
     label: Label | None = None  #: the violating event itself, applied to ``states[-1]``
+    #: liveness only: a run from ``states[-1]`` by progress events alone (no arrival, reset or shutdown) that
+    #: never reaches the goal: its events, the canonical state after each, and ``loop``, the index of the
+    #: first event of the cycle that ``lasso[loop:]`` repeats forever (-1: the run ends in a state that no
+    #: progress event leaves). Not counted in :attr:`length`.
+    lasso: tuple[Label, ...] = ()
+    lasso_states: tuple[State, ...] = ()
+    loop: int = -1
 
     @property
     def length(self) -> int:
@@ -173,6 +183,11 @@ class ExplorationResult:
                         for st, lab in zip(v.states, (*v.path, v.label), strict=False)
                         if lab is not None
                     ],
+                    "lasso": [
+                        describe_label(st, lab)
+                        for st, lab in zip((v.states[-1], *v.lasso_states), v.lasso, strict=False)
+                    ],
+                    "loop": v.loop,
                 }
                 for v in self.violations
             ],
@@ -277,11 +292,24 @@ def _explore(
             labels.append(label)
         return lid
 
-    def record(invariant: str, detail: str, sid: int, label: Label | None) -> bool:
+    def record(
+        invariant: str,
+        detail: str,
+        sid: int,
+        label: Label | None,
+        lasso: tuple[list[int], list[int], int] | None = None,
+    ) -> bool:
         if invariant in seen_invariants:
             return False
         seen_invariants.add(invariant)
         path = graph.path_to(sid)
+        run_labels: tuple[Label, ...] = ()
+        run_states: tuple[State, ...] = ()
+        loop = -1
+        if lasso is not None:
+            run_labels = tuple(labels[lab] for lab in lasso[1])
+            run_states = tuple(states[s] for s in lasso[0])
+            loop = lasso[2]
         violations.append(
             Violation(
                 invariant,
@@ -289,6 +317,9 @@ def _explore(
                 tuple(lab for _, lab in path),
                 tuple([states[s] for s, _ in path] + [states[sid]]),
                 label,
+                run_labels,
+                run_states,
+                loop,
             )
         )
         return stop_at_first
@@ -379,7 +410,7 @@ def _explore(
         liveness = True
         dead = _liveness(graph, model, pruned > 0)
         if dead is not None:
-            record(LIVENESS, _liveness_detail(states[dead]), dead, None)
+            record(LIVENESS, _liveness_detail(states[dead]), dead, None, _lasso(graph, dead))
     return finish(True, liveness)
 
 
@@ -464,6 +495,161 @@ def _liveness(graph: Graph, model: Model, pruned: bool) -> int | None:
         if not live[sid]:
             return sid
     return None
+
+
+def _lasso(graph: Graph, dead: int) -> tuple[list[int], list[int], int]:
+    """A run from state ``dead`` (which cannot reach the goal) by progress edges alone, as (the state after
+    each event, the label id of each event, ``loop``): the events from index ``loop`` on form a cycle that
+    repeats forever, or ``loop`` is -1 and the run ends in a state that no progress edge leaves.
+
+    Every state it visits is as dead as ``dead`` (a progress edge out of a state that cannot reach the goal
+    leads to one that cannot either). The run ends in the state nearest ``dead`` (breadth-first) that lies on
+    a cycle, preferring one where nothing is left to do: no transfer remains and no request is unfinished,
+    so the cycle is fair (no completion is starved) and the engine still never goes idle. Without any cycle,
+    it ends in the nearest state that no progress edge leaves. Computed only when liveness fails.
+    """
+    n = len(graph.states)
+    progress_label = [lab[0] not in _NOT_PROGRESS for lab in graph.labels]
+    # Forward adjacency over progress edges in CSR form: the successors of s are succ[first[s]:first[s + 1]].
+    first = array("i", bytes(4 * (n + 1)))
+    for s, lab in zip(graph.src, graph.label, strict=True):
+        if progress_label[lab]:
+            first[s + 1] += 1
+    for k in range(n):
+        first[k + 1] += first[k]
+    size = max(first[n], 1)
+    succ = array("i", bytes(4 * size))
+    succ_label = array("i", bytes(4 * size))
+    fill = array("i", first)
+    for s, d, lab in zip(graph.src, graph.dst, graph.label, strict=True):
+        if progress_label[lab]:
+            k = fill[s]
+            succ[k] = d
+            succ_label[k] = lab
+            fill[s] = k + 1
+    # Breadth-first from ``dead``: the reachable states in order, each with its parent and edge.
+    parent: dict[int, int] = {dead: -1}
+    order = [dead]
+    at = 0
+    while at < len(order):
+        v = order[at]
+        at += 1
+        for k in range(first[v], first[v + 1]):
+            w = succ[k]
+            if w not in parent:
+                parent[w] = k
+                order.append(w)
+    # Strongly connected components of the reachable states (Kosaraju, iteratively): first the finishing
+    # order of a depth-first search, then components on the reversed edges in the reverse of that order.
+    post: list[int] = []
+    seen: set[int] = set()
+    for root in order:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, first[root])]
+        while stack:
+            v, k = stack[-1]
+            if k < first[v + 1]:
+                stack[-1] = (v, k + 1)
+                w = succ[k]
+                if w not in seen:
+                    seen.add(w)
+                    stack.append((w, first[w]))
+            else:
+                stack.pop()
+                post.append(v)
+    preds: dict[int, list[int]] = {v: [] for v in order}
+    for v in order:
+        for k in range(first[v], first[v + 1]):
+            preds[succ[k]].append(v)
+    comp: dict[int, int] = {}
+    comp_size: list[int] = []
+    for root in reversed(post):
+        if root in comp:
+            continue
+        c = len(comp_size)
+        comp[root] = c
+        members = 1
+        todo = [root]
+        while todo:
+            v = todo.pop()
+            for u in preds[v]:
+                if u not in comp:
+                    comp[u] = c
+                    members += 1
+                    todo.append(u)
+        comp_size.append(members)
+
+    def on_cycle(v: int) -> bool:
+        if comp_size[comp[v]] > 1:
+            return True
+        return any(succ[k] == v for k in range(first[v], first[v + 1]))
+
+    target = -1
+    for v in order:
+        st = graph.states[v]
+        if on_cycle(v) and Model.transfer_remains(st) is None and all(r.eng == E_DONE for r in st.reqs):
+            target = v
+            break
+    if target < 0:
+        for v in order:
+            if on_cycle(v):
+                target = v
+                break
+    cyclic = target >= 0
+    if not cyclic:
+        for v in order:
+            if first[v] == first[v + 1]:
+                target = v
+                break
+    # The path from ``dead`` to the target, then (on a cycle) the shortest way back to the target.
+    edges_taken: list[int] = []
+    v = target
+    while parent[v] >= 0:
+        k = parent[v]
+        edges_taken.append(k)
+        v = _edge_source(first, k)
+    edges_taken.reverse()
+    loop = -1
+    if cyclic:
+        loop = len(edges_taken)
+        back: dict[int, int] = {}
+        queue = [target]
+        at = 0
+        closing = -1
+        while closing < 0 and at < len(queue):
+            v = queue[at]
+            at += 1
+            for k in range(first[v], first[v + 1]):
+                w = succ[k]
+                if w == target:
+                    closing = k
+                    break
+                if w not in back and comp[w] == comp[target]:
+                    back[w] = k
+                    queue.append(w)
+        cycle = [closing]
+        v = _edge_source(first, closing)
+        while v != target:
+            k = back[v]
+            cycle.append(k)
+            v = _edge_source(first, k)
+        cycle.reverse()
+        edges_taken += cycle
+    return [succ[k] for k in edges_taken], [succ_label[k] for k in edges_taken], loop
+
+
+def _edge_source(first: array[int], k: int) -> int:
+    """The state whose range of the forward CSR ``first`` holds edge ``k`` (binary search)."""
+    lo, hi = 0, len(first) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if first[mid] <= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _liveness_detail(s: State) -> str:
@@ -569,17 +755,19 @@ def describe_state(s: State, names: Names | None = None) -> str:
     )
 
 
-def stable_trace(model: Model, v: Violation) -> list[tuple[str, State | None, Names]]:
+def stable_trace(model: Model, v: Violation, *, lasso: bool = False) -> list[tuple[str, State | None, Names]]:
     """The counterexample re-derived without symmetry, so that requests and jobs keep their names.
 
     Each entry: (the event in words, the state after it or None for the violating event, the names).
+    With ``lasso``, a liveness violation's run that never reaches the goal (:attr:`Violation.lasso`)
+    follows the counterexample's events.
     """
     s = model.initial
     rnames: list[str] = []
     jnames: list[str] = []
     counters = [0, 0]
     out: list[tuple[str, State | None, Names]] = []
-    labels = [*v.path, *([v.label] if v.label is not None else [])]
+    labels = [*v.path, *([v.label] if v.label is not None else []), *(v.lasso if lasso else ())]
     for lab in labels:
         local = _translate(lab, model.canonical_with_maps(s))
         text = describe_label(s, local, (rnames, jnames))
@@ -633,13 +821,15 @@ def format_trace(v: Violation, model: Model | None = None, *, states: bool = Tru
     lines = [f"VIOLATION {v.invariant}: {v.detail}", f"shortest counterexample: {v.length} events"]
     if states:
         lines.append(f"   0. initial: {describe_state(v.states[0])}")
+    run: list[tuple[str, State | None, Names | None]] = []
     if model is not None:
-        steps = stable_trace(model, v)
-        for n, (text, after, names) in enumerate(steps, 1):
+        steps = stable_trace(model, v, lasso=True)
+        for n, (text, after, names) in enumerate(steps[: v.length], 1):
             mark = f"  <-- {v.invariant}" if after is None else ""
             lines.append(f"  {n:2}. {text}{mark}")
             if states and after is not None:
                 lines.append(f"      -> {describe_state(after, names)}")
+        run = [(text, after, names) for text, after, names in steps[v.length :]]
     else:
         for n, (lab, st) in enumerate(zip(v.path, v.states, strict=False), 1):
             lines.append(f"  {n:2}. {describe_label(st, lab)}")
@@ -647,8 +837,32 @@ def format_trace(v: Violation, model: Model | None = None, *, states: bool = Tru
                 lines.append(f"      -> {describe_state(v.states[n])}")
         if v.label is not None:
             lines.append(f"  {v.length:2}. {describe_label(v.states[-1], v.label)}  <-- {v.invariant}")
+        sources = (v.states[-1], *v.lasso_states)
+        run = [(describe_label(sources[k], lab), v.lasso_states[k], None) for k, lab in enumerate(v.lasso)]
     if v.label is None:
         lines.append(f"      this state breaks {v.invariant}")
+    if v.lasso:
+        lines.append(
+            "      a run from it that never reaches idle (the engine's steps, the requests' ends and completions only):"
+        )
+        for k, (text, after, run_names) in enumerate(run):
+            mark = "  <-- the cycle starts here" if k == v.loop else ""
+            lines.append(f"  {v.length + k + 1:2}. {text}{mark}")
+            if after is not None and (states or k == len(run) - 1):
+                lines.append(f"      -> {describe_state(after, run_names)}")
+        last = v.lasso_states[-1]
+        if v.loop < 0:
+            lines.append("      and from here no step, end or completion can move: only new work could")
+        else:
+            again, end = v.length + v.loop + 1, v.length + len(v.lasso)
+            repeat = f"event {again} repeats" if again == end else f"events {again} to {end} repeat"
+            lines.append(f"      back in the state before event {again}: {repeat} forever")
+            if model is not None and Model.transfer_remains(last) is None:
+                pending = model.has_pending_push_work(last.jobs, last.tier, last.abandoned)
+                lines.append(
+                    "      no transfer remains, yet has_pending_push_work() is "
+                    + ("True: the engine never goes idle" if pending else "False")
+                )
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "EXPLORE_OPTIONS",
     "MAX_BOUNDS",
     "MAX_STATES",
+    "TIER_PENDING",
     "add_arguments",
     "add_spin_arguments",
     "bounds_from",
@@ -56,6 +57,9 @@ MAX_BOUNDS: dict[str, int] = {
     "tiers": 2,
     "deadlines": 16,
 }
+#: ``--tier-pending``: what the last secondary tier's own has_pending_work() answers (spec/README.md, "A tier
+#: whose pending work never ends: vLLM's KVCR tier"); "always" is the hazard of vLLM's KVCRSecondaryTierManager.
+TIER_PENDING: tuple[str, ...] = ("honest", "always")
 #: The largest ``--max-states`` (about what fits in memory).
 MAX_STATES = 10**9
 #: Options that only make sense when exploring (refused together with ``kvfsm check --trace``).
@@ -74,6 +78,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "no_failures",
     "durable",
     "promotions",
+    "tier_pending",
     "shutdown",
     "keep_going",
     "no_liveness",
@@ -145,6 +150,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--promotions", action="store_true", help="the tiers hit what they hold: lookups promote it into the primary"
     )
+    b.add_argument(
+        "--tier-pending",
+        choices=list(TIER_PENDING),
+        default=None,
+        help="what the last tier's own has_pending_work() answers: honest (the default: True only while it has "
+        "work) or always (True at every call, vLLM's KVCR tier: a hazard that liveness rejects)",
+    )
     o = p.add_argument_group("run")
     o.add_argument(
         "--drain",
@@ -196,7 +208,7 @@ def add_spin_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bfs: kvfsm's own checker (the default); spin: generate Promela from spec/ and run SPIN on it "
         "(uses --requests, --workers, --slots, --groups, --resets, --preemptions, --deadlines, --shutdown, "
-        "--tiers, --promotions, --drain, --no-failures, --no-liveness)",
+        "--tiers, --promotions, --tier-pending, --drain, --no-failures, --no-liveness)",
     )
     s.add_argument("--bitstate", action="store_true", help="with --engine spin: bitstate hashing (-DBITSTATE)")
     s.add_argument(
@@ -250,6 +262,7 @@ def promela_bounds_from(args: argparse.Namespace, *, liveness: bool = False) -> 
         promotions=bool(getattr(args, "promotions", False)),
         failures=not getattr(args, "no_failures", False),
         drain=DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING,
+        tier_pending_always=_tier_pending_always(args),
         liveness=liveness,
     )
 
@@ -342,7 +355,18 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         shutdown=bool(getattr(args, "shutdown", False)),
         max_jobs=get("max_jobs"),
         deadlines=get("deadlines"),
+        tier_pending_always=_tier_pending_always(args),
     )
+
+
+def _tier_pending_always(args: argparse.Namespace) -> bool:
+    """``--tier-pending always``; ConfigError for a value that is not one of TIER_PENDING."""
+    value = getattr(args, "tier_pending", None)
+    if value is None:
+        return False
+    if value not in TIER_PENDING:
+        raise ConfigError(f"tier_pending must be one of {list(TIER_PENDING)}, got {value!r}")
+    return bool(value == "always")
 
 
 @contextmanager
@@ -383,6 +407,10 @@ def run(args: argparse.Namespace) -> int:
     drain = DrainMode(args.drain) if getattr(args, "drain", None) else DrainMode.NON_BLOCKING
     if args.replay and drain is not DrainMode.NON_BLOCKING:
         raise ConfigError("--replay replays the implementation, whose drain is non_blocking; drop --drain blocking")
+    if args.replay and bounds.tier_pending_always:
+        raise ConfigError(
+            "--replay replays the implementation, whose tiers report only real pending work; drop --tier-pending always"
+        )
     model = Model(bounds, drain)
     if show:
         print(f"kvfsm check: {_bounds_text(bounds)}, drain={drain.value}", file=sys.stderr)

@@ -37,7 +37,9 @@ truth.
 
 Options widen the scope (:class:`Bounds`): promotions from the tiers (``promotions``), store deadlines
 with time-out and quarantine (``deadlines``), a bounded shutdown with ``flush_all``, give-up and ``stop``
-(``shutdown``), a durable last tier (``durable``), up to two tiers (``tiers``).
+(``shutdown``), a durable last tier (``durable``), up to two tiers (``tiers``); and one hazard, not a tier
+kvfsm runs: a last tier whose own ``has_pending_work()`` is always True (``tier_pending_always``, vLLM's
+KVCR tier), which the liveness check rejects.
 
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
 one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
@@ -220,6 +222,9 @@ class Bounds:
     preemptions: int = 1  #: preemptions
     failures: bool = True  #: worker shards and cascades may fail
     max_jobs: int = 0  #: jobs created in all, 0 for no bound (edges past it are pruned, not explored)
+    #: the last tier's own has_pending_work() answers True at every call, whatever it holds (vLLM's
+    #: KVCRSecondaryTierManager): a hazard the liveness check must reject, not a tier kvfsm runs
+    tier_pending_always: bool = False
 
     def __post_init__(self) -> None:
         positive = ("requests", "prompts", "chunks", "workers", "slots", "groups")
@@ -237,6 +242,8 @@ class Bounds:
             raise ConfigError("durable=True needs a secondary tier (tiers >= 1)")
         if self.promotions and not self.tiers:
             raise ConfigError("promotions=True needs a secondary tier (tiers >= 1)")
+        if self.tier_pending_always and not self.tiers:
+            raise ConfigError("tier_pending_always=True needs a secondary tier (tiers >= 1)")
         if self.workers > 8:
             raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
 
@@ -589,6 +596,8 @@ class Model:
         self.fenced_jobs: Callable[..., set[int]] = scheduler_mod.fenced_jobs
         self.stale_threshold_after_reset: Callable[[int, int], int] = scheduler_mod.stale_threshold_after_reset
         self.is_evictable: Callable[[SlotState], bool] = cpu_mod.is_evictable
+        # Bounds.tier_pending_always: the last tier's has_pending_work() never answers False.
+        self.tier_pending_always: bool = b.tier_pending_always
         self._memo_job: dict[tuple[Any, ...], tuple[JobState, JobEffect | None] | InvalidTransition] = {}
         self._memo_slot: dict[tuple[int, SlotEvent], int | InvalidTransition] = {}
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
@@ -776,7 +785,11 @@ class Model:
         return any(not t[_T_HARVESTED] and not (t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED) for t in tier)
 
     def tiers_pending(self, tier: Sequence[Any]) -> bool:
-        """``any(tier.has_pending_work() for tier in tiers)``: a durable tier's background sync."""
+        """``any(tier.has_pending_work() for tier in tiers)``: a durable tier's background sync. With
+        ``Bounds.tier_pending_always`` the last tier answers True at every call, with nothing in its I/O
+        (vLLM's KVCRSecondaryTierManager), so the manager's answer is never False."""
+        if self.tier_pending_always:
+            return True
         return any(t[_T_HARVESTED] and t[_T_STATUS] == SYNCING for t in tier)
 
     def backend_reports(self, shard: int) -> bool | None:
@@ -1197,6 +1210,9 @@ class Model:
         hits = 0
         must_wait = False
         scanned: set[int] = set()
+        # A deferred scan goes on to the first miss (spec/README.md, "A deferred scan goes on to the first
+        # miss"): the later chunks' promotions are reserved by the same scan, and no hit is counted past
+        # the first chunk it waits for.
         for key in self.prompt_keys[r[_R_PROMPT]]:
             code = w.slots[key]
             if code == ABSENT:
@@ -1204,15 +1220,14 @@ class Model:
                 if src is not None and self._reserve(w, key, scanned):
                     w.tier.append([(key,), UNLAUNCHED, src, False, True])
                     must_wait = True  # HIT_PENDING: the request defers until the promotion commits
+                    continue
                 break  # else MISS: compute the rest
             scanned.add(key)
-            if code == WRITING:
+            if code == WRITING or key in being_loaded:
                 must_wait = True
-                break
-            if key in being_loaded:
-                must_wait = True
-                break
-            hits += 1
+                continue
+            if not must_wait:
+                hits += 1
         if must_wait:
             r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, False)[0]
             return None

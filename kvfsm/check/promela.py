@@ -97,6 +97,8 @@ class PromelaBounds:
     promotions: bool = False  #: the tiers hit what they hold: a lookup promotes it into the primary
     failures: bool = True
     drain: DrainMode = DrainMode.NON_BLOCKING
+    #: the last tier's own has_pending_work() answers True at every call (vLLM's KVCR tier; liveness rejects it)
+    tier_pending_always: bool = False
     liveness: bool = False  #: also emit the LTL liveness claim (run pan with -a -f, not -DSAFETY)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,8 @@ class PromelaBounds:
                 raise ConfigError(f"promela bound {name} = {value!r}; expected an integer from {lo} to {hi}")
         if self.promotions and not self.tiers:
             raise ConfigError("promotions=True needs a secondary tier; expected tiers >= 1")
+        if self.tier_pending_always and not self.tiers:
+            raise ConfigError("tier_pending_always=True needs a secondary tier; expected tiers >= 1")
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -124,6 +128,7 @@ class PromelaBounds:
             "promotions": self.promotions,
             "failures": self.failures,
             "drain": self.drain.value,
+            "tier_pending_always": self.tier_pending_always,
         }
 
 
@@ -397,9 +402,12 @@ def generate(bounds: PromelaBounds | None = None, *, hidden: bool = True) -> str
     w("#define UNREPORTED(j) (" + " || ".join(f"(j == {j} && UNREPORTED_{j})" for j in range(J)) + ")")
     w("/* the scheduler's quarantine term: a timed-out job whose launched copies have not all reported */")
     w("#define QUARANTINE (" + " || ".join(f"(jquar[{j}] && UNREPORTED_{j})" for j in range(J)) + ")")
-    w("/* the other pending work pending_push_work is asked about: the quarantine and the manager's cascades,")
-    w("   both given up on once a bounded shutdown abandoned them */")
-    w("#define OTHER_PENDING (!abandoned && (QUARANTINE || MGR_PENDING))")
+    w("/* the last tier's own has_pending_work(), beyond its cascades: 1 when it answers True at every call")
+    w("   (tier_pending_always: vLLM's KVCR tier), else 0 */")
+    w(f"#define TIER_PENDING_ALWAYS {int(b.tier_pending_always)}")
+    w("/* the other pending work pending_push_work is asked about: the quarantine and the manager's cascades")
+    w("   and tiers, all given up on once a bounded shutdown abandoned them */")
+    w("#define OTHER_PENDING (!abandoned && (QUARANTINE || MGR_PENDING || TIER_PENDING_ALWAYS))")
     # index: the job codes in mixed radix, job 0 most significant, then the manager bit
     idx = "0"
     for j in range(J):

@@ -523,6 +523,10 @@ class OffloadingScheduler:
             result = lookup(key, ctx)
             if result is _MISS:
                 break
+            if must_wait:
+                # Scan on to the first miss, as vLLM's scheduler does: each lookup starts its chunk's
+                # tier check or promotion now, so they run side by side instead of one per deferral.
+                continue
             # HIT_PENDING or RETRY: the chunk will be readable later; being loaded by another request:
             # this one hits the GPU prefix cache later. Either way it waits, but not forever.
             if result is not _HIT or key in being_loaded:
@@ -534,7 +538,7 @@ class OffloadingScheduler:
                         hits = 0
                     break  # waited long enough: compute the chunk instead
                 must_wait = True
-                break
+                continue
             hits += 1
         if must_wait:
             self._defer(st)
