@@ -53,7 +53,7 @@ from kvfsm.tiers.pool import DualQueuePool
 from kvfsm.tiers.redis_codec import MismatchKind, Namespace, ValueMismatch, decode_value, encode_value
 from kvfsm.tiers.slotio import SlotIO, slot_nbytes
 
-__all__ = ["RedisFailure", "RedisTier", "RedisTierCounters", "RedisTierStats", "classify"]
+__all__ = ["RedisFailure", "RedisTier", "RedisTierCounters", "RedisTierStats", "classify", "ping_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,26 @@ class _Health:
             if self.failures_in_row > 0:
                 self.reconnects += 1
             self.failures_in_row = 0
+
+
+def ping_server(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> None:
+    """One PING on a client of its own, closed after: a server that is missing or does not answer raises
+    :class:`~kvfsm.errors.ConfigKeyError` naming ``redis_url`` (an adapter's start-up check; the tier
+    itself never blocks on its server)."""
+    from kvfsm.errors import ConfigKeyError
+
+    client: redis.Redis | RedisCluster | None = None
+    try:
+        if cluster:
+            client = RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        else:
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        client.ping()
+    except (rex.RedisError, OSError) as exc:
+        raise ConfigKeyError("redis_url", f"the Redis server at {url!r} did not answer a PING ({exc!r})") from exc
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _is_count(n: object) -> bool:

@@ -540,10 +540,20 @@ def _timed_first_token(llm: Any, prompt: list[int]) -> tuple[list[int], float, f
 
 
 def measure_ttft(
-    model_dir: Path, setup: EngineSetup, model: TinyModel, *, prefix_tokens: int, iterations: int = 5
+    model_dir: Path,
+    setup: EngineSetup,
+    model: TinyModel,
+    *,
+    prefix_tokens: int,
+    iterations: int = 5,
+    evict_tokens: int = 0,
 ) -> TtftResult:
     """Alternate, ``iterations`` times on one engine: a new prompt (recompute: time to first token with no
-    hit anywhere), then the same prompt after the GPU prefix cache is dropped (the hit). Medians of each."""
+    hit anywhere), then the same prompt after the GPU prefix cache is dropped (the hit). Medians of each.
+
+    ``evict_tokens`` > 0: between the two, a filler prompt of that many new tokens is served and drained, so
+    that it pushes the first prompt's chunks out of kvfsm's CPU tier (size the CPU tier below both prompts
+    together): the hit then comes through the secondary tier, promoted back into the CPU tier."""
     import random
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -564,6 +574,9 @@ def measure_ttft(
             result.miss_cpu_s.append(cpu)
             result.miss_wall_s.append(wall)
             drain(llm)  # the engine goes idle: the prefix is stored
+            if evict_tokens:
+                _timed_first_token(llm, [1 + rng.randrange(model.vocab - 1) for _ in range(evict_tokens)])
+                drain(llm)
             llm.reset_prefix_cache()
             tokens_hit, cpu, wall = _timed_first_token(llm, prompt)
             result.hit_cpu_s.append(cpu)

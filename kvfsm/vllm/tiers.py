@@ -321,6 +321,9 @@ class _KvfsmTierAdapter(tiering_base.SecondaryTierManager):
         self._promotions: deque[int] = deque()  # promotion ids in submission order: their deadlines' order
         self._ready: list[tiering_base.JobResult] = []  # results taken from the kvfsm tier, not yet delivered
         self._failed_loads: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> step it failed at
+        # Events on and the kvfsm tier announcing its own stores: each key's store request until its stored
+        # event is translated (vLLM's self-describing events read a stored block's tokens from it).
+        self._store_contexts: dict[OffloadKey, offload_base.ReqContext] = {}
         self._step = 0
         self._counts = {METRIC_PROMOTIONS_TIMED_OUT: 0, METRIC_LOADS_FAILED: 0, METRIC_STORES_FAILED: 0}
         self._closed = False
@@ -371,6 +374,9 @@ class _KvfsmTierAdapter(tiering_base.SecondaryTierManager):
             self._slots.forget(rec.chunk_ids)
         tier_job = TierJob(job.job_id, rec.keys, rec.chunk_ids, promotion, job.req_context.req_id)
         submit = self.tier.submit_load if promotion else self.tier.submit_store
+        if not promotion and self._events is not None and self._INNER_OWNS_EVENTS:
+            for k in keys:
+                self._store_contexts[k] = job.req_context
         self._jobs[job.job_id] = rec
         try:
             submit(tier_job)
@@ -515,6 +521,12 @@ class _KvfsmTierAdapter(tiering_base.SecondaryTierManager):
                     continue
                 self._ready.append(self._promotion_result(rec, res.success, written, now))
             else:
+                if not res.success and self._store_contexts:
+                    # The blocks that did commit announced themselves before the job's report: translate
+                    # their events with their request now, then forget the keys that never will.
+                    self._translate_events()
+                    for k in rec.keys:
+                        self._store_contexts.pop(k, None)
                 self._ready.append(self._store_result(rec, res.success, now))
 
     def _promotion_result(self, rec: _Job, success: bool, written: set[int], now: float) -> tiering_base.JobResult:
@@ -605,7 +617,17 @@ class _KvfsmTierAdapter(tiering_base.SecondaryTierManager):
         if self._events is None:
             return
         for ev in inner:
-            self._events.append(self._event(ev.keys, removed=ev.removed))
+            if ev.removed or not self._store_contexts:
+                self._events.append(self._event(ev.keys, removed=ev.removed))
+                continue
+            # A stored event names its store's request, one event per request (vLLM's events tracker reads
+            # the request's tokens for self-describing events).
+            by_request: dict[int, tuple[offload_base.ReqContext | None, list[OffloadKey]]] = {}
+            for k in ev.keys:
+                ctx = self._store_contexts.pop(k, None)
+                by_request.setdefault(id(ctx), (ctx, []))[1].append(k)
+            for ctx, keys in by_request.values():
+                self._events.append(self._event(keys, removed=False, req_context=ctx))
 
 
 class KvfsmFsTier(_KvfsmTierAdapter):
@@ -676,7 +698,7 @@ class KvfsmRedisTier(_KvfsmTierAdapter):
         settings = _tier_settings("redis", REDIS_KEYS, tier_config)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **tier_config)
         try:
-            from kvfsm.tiers.redis import RedisTier
+            from kvfsm.tiers.redis import RedisTier, ping_server
         except ImportError as exc:
             raise ConfigError(
                 f"secondary tier {tier_type!r} is a Redis tier but redis-py is not installed ({exc}); "
@@ -695,32 +717,10 @@ class KvfsmRedisTier(_KvfsmTierAdapter):
             lookup_ttl_steps=self.settings.lookup_ttl_steps,
         )
         try:
-            self._ping(settings.redis_url, settings.redis_cluster, self._redis.op_timeout_s)
+            ping_server(settings.redis_url, cluster=settings.redis_cluster, timeout_s=self._redis.op_timeout_s)
         except BaseException:
             self._redis.shutdown(0.0)
             raise
-
-    @staticmethod
-    def _ping(url: str, cluster: bool, timeout: float) -> None:
-        """One PING at construction, on a client of its own: a missing server is one clear error now."""
-        import redis
-        import redis.cluster
-        import redis.exceptions
-
-        client: redis.Redis | redis.cluster.RedisCluster | None = None
-        try:
-            if cluster:
-                client = redis.cluster.RedisCluster.from_url(
-                    url, socket_timeout=timeout, socket_connect_timeout=timeout
-                )
-            else:
-                client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-            client.ping()
-        except (redis.exceptions.RedisError, OSError) as exc:
-            raise ConfigKeyError("redis_url", f"the Redis server at {url!r} did not answer a PING ({exc!r})") from exc
-        finally:
-            if client is not None:
-                client.close()
 
     @property
     @override
