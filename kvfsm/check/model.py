@@ -1210,9 +1210,6 @@ class Model:
         hits = 0
         must_wait = False
         scanned: set[int] = set()
-        # A deferred scan goes on to the first miss (spec/README.md, "A deferred scan goes on to the first
-        # miss"): the later chunks' promotions are reserved by the same scan, and no hit is counted past
-        # the first chunk it waits for.
         for key in self.prompt_keys[r[_R_PROMPT]]:
             code = w.slots[key]
             if code == ABSENT:
@@ -1220,14 +1217,15 @@ class Model:
                 if src is not None and self._reserve(w, key, scanned):
                     w.tier.append([(key,), UNLAUNCHED, src, False, True])
                     must_wait = True  # HIT_PENDING: the request defers until the promotion commits
-                    continue
                 break  # else MISS: compute the rest
             scanned.add(key)
-            if code == WRITING or key in being_loaded:
+            if code == WRITING:
                 must_wait = True
-                continue
-            if not must_wait:
-                hits += 1
+                break
+            if key in being_loaded:
+                must_wait = True
+                break
+            hits += 1
         if must_wait:
             r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_DEFER, False)[0]
             return None

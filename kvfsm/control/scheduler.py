@@ -81,7 +81,7 @@ _SIGNAL_MANAGER = RequestEffect.SIGNAL_MANAGER
 _NO_RANKS: frozenset[int] = frozenset()
 #: The states a lookup needs (a waiting request).
 _LOOKUP_STATES = frozenset((RequestState.TRACKED, RequestState.DEFERRED, RequestState.PREEMPTED))
-_MISS, _HIT = LookupResult.MISS, LookupResult.HIT
+_MISS, _HIT, _RETRY = LookupResult.MISS, LookupResult.HIT, LookupResult.RETRY
 
 
 def _in_rank_order(ranks: AbstractSet[int]) -> Iterable[int]:
@@ -524,9 +524,9 @@ class OffloadingScheduler:
             if result is _MISS:
                 break
             if must_wait:
-                # Scan on to the first miss, as vLLM's scheduler does: each lookup starts its chunk's
-                # tier check or promotion now, so they run side by side instead of one per deferral.
-                continue
+                if result is _RETRY:
+                    continue  # still unanswered: its check is staged too, scan on (no slot is taken)
+                break  # a promotion reserved or under way, or a hit: wait for the earlier chunk first
             # HIT_PENDING or RETRY: the chunk will be readable later; being loaded by another request:
             # this one hits the GPU prefix cache later. Either way it waits, but not forever.
             if result is not _HIT or key in being_loaded:
@@ -538,7 +538,11 @@ class OffloadingScheduler:
                         hits = 0
                     break  # waited long enough: compute the chunk instead
                 must_wait = True
-                continue
+                if result is _RETRY:
+                    # A tier has not answered yet (a remote tier's existence check): scan on over the
+                    # later chunks that are unanswered too, so their checks run side by side with this one.
+                    continue
+                break
             hits += 1
         if must_wait:
             self._defer(st)
