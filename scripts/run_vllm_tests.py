@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     excluded = [(p, why) for s in suites for p, why in SUITE_EXCLUDES.get(s, []) if (src / p.split("::")[0]).exists()]
     for node, why in excluded:
-        print(f"run_vllm_tests: not running {node}: {why}", file=sys.stderr)
+        print(f"run_vllm_tests: not running {node}: {why}", flush=True)
     import pytest
 
     # An ini file of the sdist tree's own makes it pytest's rootdir: where the tree lies inside kvfsm's checkout
