@@ -19,7 +19,18 @@ from typing_extensions import override
 
 __all__ = ["OneLineParser", "build_parser", "int_in", "main", "plain_doc"]
 
-_SECTIONS = ("drain", "control", "lifecycle", "transfers", "verification", "redis", "vllm", "vllm-scheduler", "e2e")
+_SECTIONS = (
+    "drain",
+    "control",
+    "lifecycle",
+    "transfers",
+    "verification",
+    "redis",
+    "vllm",
+    "vllm-scheduler",
+    "e2e",
+    "vllm-tiers",
+)
 #: The largest ``kvfsm bench --jobs`` / ``--repeats`` accepted (the defaults are 2000 and 5).
 MAX_BENCH_JOBS = 1_000_000
 MAX_BENCH_REPEATS = 1_000

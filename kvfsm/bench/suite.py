@@ -25,6 +25,10 @@ Sections (``--only`` picks some):
 9. ``e2e`` - opt-in (``--only e2e``), where a vLLM that computes tokens is installed: time to first token
    recomputed against a hit from each kvfsm tier, decode step cost and bytes per second, on a serving vLLM
    engine (:mod:`kvfsm.bench.e2e`).
+10. ``vllm-tiers`` - opt-in (``--only vllm-tiers``), where vLLM with its tiering spec, redis-py and redis-server
+   are installed: kvfsm's Redis tier as a secondary tier of vLLM's own ``TieringOffloadingManager``, store and
+   promote MB/s against ``redis-benchmark`` on the same local server, every promoted chunk compared
+   (:mod:`kvfsm.vllm.tier_bench`).
 
 Both sides of every comparison run in the same process, one after the other: machines here are noisy,
 so compare the ratios, not absolute numbers across runs. Goals are marked met or not met at the end.
@@ -32,6 +36,7 @@ so compare the ratios, not absolute numbers across runs. Goals are marked met or
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -80,7 +85,7 @@ SECTIONS: tuple[str, ...] = (
     "vllm-scheduler",
 )
 #: Sections only ``--only`` runs (a serving engine per setup: minutes).
-OPT_IN_SECTIONS: tuple[str, ...] = ("e2e",)
+OPT_IN_SECTIONS: tuple[str, ...] = ("e2e", "vllm-tiers")
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2
@@ -747,8 +752,43 @@ def _section_e2e(opts: _Options, report: BenchReport) -> str:
     )
 
 
+def _section_vllm_tiers(opts: _Options, report: BenchReport) -> str:
+    """Opt-in: kvfsm's Redis tier through vLLM's tiering manager against redis-benchmark (kvfsm/vllm/tier_bench.py)."""
+    head = (
+        "(10) vllm-tiers: KvfsmRedisTier as a secondary tier of vLLM's TieringOffloadingManager, store and promote "
+        "MB/s against redis-benchmark on the same local server\n"
+    )
+    try:
+        from kvfsm.bench.redis import local_redis
+        from kvfsm.vllm.tier_bench import bench_vllm_redis_tier, format_vllm_redis_tier
+
+        with Progress(1, "vllm-tiers", enabled=opts.show_progress) as bar, local_redis() as url:
+            result = bench_vllm_redis_tier(url, chunks=64 if opts.quick else 256)
+            bar.advance(f"{result.chunks} chunks")
+    except (ConfigError, ImportError, OSError) as exc:
+        report.results["vllm-tiers"] = {"available": False, "detail": str(exc)}
+        return head + f"  not available ({exc})"
+    report.results["vllm-tiers"] = {
+        "available": True,
+        **dataclasses.asdict(result),
+        "store_vs_redis_benchmark": result.store_vs_redis_benchmark,
+        "promote_vs_redis_benchmark": result.promote_vs_redis_benchmark,
+    }
+    report.goals.append(
+        Goal(
+            "vllm-tiers",
+            "promoted chunks that differ from what was stored",
+            "0",
+            str(result.wrong_chunks),
+            result.wrong_chunks == 0,
+        )
+    )
+    return head + format_vllm_redis_tier(result)
+
+
 _RUNNERS: dict[str, Callable[[_Options, BenchReport], str]] = {
     "e2e": _section_e2e,
+    "vllm-tiers": _section_vllm_tiers,
     "drain": _section_drain,
     "control": _section_control,
     "lifecycle": _section_lifecycle,
