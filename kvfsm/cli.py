@@ -17,20 +17,10 @@ from typing import NoReturn
 
 from typing_extensions import override
 
+from kvfsm.bench.sections import OPT_IN_SECTIONS, SECTIONS
+
 __all__ = ["OneLineParser", "build_parser", "int_in", "main", "plain_doc"]
 
-_SECTIONS = (
-    "drain",
-    "control",
-    "lifecycle",
-    "transfers",
-    "verification",
-    "redis",
-    "vllm",
-    "vllm-scheduler",
-    "e2e",
-    "vllm-tiers",
-)
 #: The largest ``kvfsm bench --jobs`` / ``--repeats`` accepted (the defaults are 2000 and 5).
 MAX_BENCH_JOBS = 1_000_000
 MAX_BENCH_REPEATS = 1_000
@@ -269,7 +259,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     p.add_argument("--out", metavar="FILE", help="also write the results as JSON to FILE (checked before the run)")
-    p.add_argument("--only", action="append", choices=_SECTIONS, help="run only this section (repeatable)")
+    p.add_argument(
+        "--only", action="append", choices=[*SECTIONS, *OPT_IN_SECTIONS], help="run only this section (repeatable)"
+    )
     p.add_argument(
         "--workload",
         metavar="FILE",

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvfsm.bench.sections import OPT_IN_SECTIONS, SECTIONS
 from kvfsm.control.config import OffloadConfig
 from kvfsm.control.cpu import CPUOffloadingManager
 from kvfsm.control.job import Job
@@ -74,18 +75,6 @@ __all__ = [
     "run_bench",
 ]
 
-SECTIONS: tuple[str, ...] = (
-    "drain",
-    "control",
-    "lifecycle",
-    "transfers",
-    "verification",
-    "redis",
-    "vllm",
-    "vllm-scheduler",
-)
-#: Sections only ``--only`` runs (a serving engine per setup: minutes).
-OPT_IN_SECTIONS: tuple[str, ...] = ("e2e", "vllm-tiers")
 
 #: vLLM 0.33 on a 2-core machine (issue 6): trace replay at 25% capacity, scheduler step at N = 256.
 VLLM_REPLAY_25_S = 3.2

@@ -30,6 +30,7 @@ __all__ = [
     "model_runner_output",
     "opt_config_dir",
     "scheduler_config",
+    "single_worker_offloading_config",
 ]
 
 
@@ -71,6 +72,49 @@ _OPT_125M = {
     "bos_token_id": 2,
     "eos_token_id": 2,
 }
+
+
+def single_worker_offloading_config(
+    extra_config: dict[str, Any],
+    *,
+    bytes_per_block: int,
+    layer_names: Sequence[str] = ("layer",),
+    blocks_per_chunk: int = 1,
+    events: bool = False,
+    engine_id: str = "kvfsm-test",
+    model_name: str = "test-model",
+) -> Any:
+    """vLLM's normalized ``OffloadingConfig`` (what its spec factory builds a spec from) for one worker, one
+    KV-cache group of ``layer_names`` with 16 tokens a block, ``bytes_per_block`` KV bytes per block, and
+    ``extra_config`` as ``kv_connector_extra_config``: a spec built with no engine around it."""
+    import dataclasses
+
+    import vllm.v1.kv_offload.config as offload_config
+
+    # vLLM 0.33 added max_model_len (the config-info metric's token count); 0.32 has no such field.
+    model_fields = {f.name for f in dataclasses.fields(offload_config.OffloadingModelConfig)}
+    model_extra = {"max_model_len": 4096} if "max_model_len" in model_fields else {}
+    return offload_config.OffloadingConfig(
+        groups=(offload_config.OffloadingGroupConfig(16, tuple(layer_names), 0),),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=events,
+        extra_config=extra_config,
+        engine_id=engine_id,
+        model=offload_config.OffloadingModelConfig(name=model_name, dtype="float16", **model_extra),
+        cache=offload_config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=offload_config.OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
 
 
 def opt_config_dir(root: Path) -> Path:

@@ -95,7 +95,7 @@ def redis_benchmark_mb_s(url: str, value_bytes: int, requests: int, *, pipeline:
 def _offloading_config(url: str, chunks: int, chunk_bytes: int) -> Any:
     """vLLM's normalized offloading config: one worker, one block per chunk of ``chunk_bytes``, a primary of
     ``chunks`` chunks, and the Redis tier as its one secondary tier."""
-    import vllm.v1.kv_offload.config as offload_config
+    from kvfsm.vllm.drive import single_worker_offloading_config
 
     tier = {
         "type": "KvfsmRedisTier",
@@ -103,30 +103,12 @@ def _offloading_config(url: str, chunks: int, chunk_bytes: int) -> Any:
         "redis_url": url,
         "redis_prefix": f"kvfsm-bench-vllm-{uuid.uuid4().hex[:12]}",
     }
-    return offload_config.OffloadingConfig(
-        groups=(offload_config.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=chunk_bytes,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": chunks * chunk_bytes,
-            "secondary_tiers": [tier],
-        },
+    return single_worker_offloading_config(
+        {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": chunks * chunk_bytes, "secondary_tiers": [tier]},
+        bytes_per_block=chunk_bytes,
+        layer_names=("l0",),
         engine_id=f"kvfsm-bench-{uuid.uuid4().hex[:12]}",
-        model=offload_config.OffloadingModelConfig(name="kvfsm-bench", dtype="float16"),
-        cache=offload_config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=offload_config.OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        model_name="kvfsm-bench",
     )
 
 

@@ -20,7 +20,6 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="needs vLLM 0.32-0.34 (pip install 'kvfsm[vllm]')")
 
-import dataclasses
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -33,19 +32,13 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvfsm.control.tiering import TieringManager
 from kvfsm.errors import ConfigKeyError
 from kvfsm.vllm.compat import worker_takes_device_pointers
+from kvfsm.vllm.drive import single_worker_offloading_config
 from kvfsm.vllm.manager import KvfsmOffloadingManager
 from kvfsm.vllm.spec import KvfsmOffloadingSpec
 
@@ -55,34 +48,9 @@ NUM_BLOCKS = 16
 
 
 def offloading_config(extra: dict[str, Any], engine_id: str = "kvfsm-test", blocks_per_chunk: int = 1) -> Any:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer",), 0),),
-        worker_kv_bytes_per_block=PAGE,
-        enable_kv_cache_events=True,
-        extra_config=extra,
-        engine_id=engine_id,
-        model=model_config(),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+    return single_worker_offloading_config(
+        extra, bytes_per_block=PAGE, blocks_per_chunk=blocks_per_chunk, events=True, engine_id=engine_id
     )
-
-
-def model_config() -> Any:
-    """vLLM 0.33 added ``max_model_len`` (the config-info metric's token count); 0.32 has no such field."""
-    fields = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
-    extra = {"max_model_len": 4096} if "max_model_len" in fields else {}
-    return OffloadingModelConfig(name="test-model", dtype="float16", **extra)
 
 
 def device_side(block_ids: list[int], caches: Any, first_index: int = 0) -> Any:

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import vllm.v1.kv_offload.base as offload_base
-import vllm.v1.kv_offload.config as offload_config
 import vllm.v1.kv_offload.factory as offload_factory
 import vllm.v1.kv_offload.tiering.manager as tiering_manager
+
+from kvfsm.vllm.drive import single_worker_offloading_config
 
 GUARD_S = 30.0  #: deadlock guard of every wait (never a timing assertion)
 ROW = 4096  #: bytes of one primary chunk (one block per chunk, one worker)
@@ -31,30 +32,13 @@ def redis_entry(url: str, **keys: Any) -> dict[str, Any]:
 
 
 def offloading_config(tiers: list[dict[str, Any]], *, num_chunks: int = 16, events: bool = False) -> Any:
-    return offload_config.OffloadingConfig(
-        groups=(offload_config.OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=ROW,
-        enable_kv_cache_events=events,
-        extra_config={
-            "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": num_chunks * ROW,
-            "secondary_tiers": tiers,
-        },
+    return single_worker_offloading_config(
+        {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": num_chunks * ROW, "secondary_tiers": tiers},
+        bytes_per_block=ROW,
+        layer_names=("l0", "l1"),
+        events=events,
         engine_id=f"kvfsm-tiers-{uuid.uuid4().hex[:12]}",
-        model=offload_config.OffloadingModelConfig(name="kvfsm-tier-test", dtype="float16"),
-        cache=offload_config.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=offload_config.OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        model_name="kvfsm-tier-test",
     )
 
 
