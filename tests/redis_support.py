@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,30 @@ def free_port(*, cluster: bool = False) -> int:
 
 def k(i: int) -> OffloadKey:
     return make_offload_key(b"redis-test" + i.to_bytes(6, "big"))
+
+
+def _garbage(value: bytes, other: bytes) -> bytes:
+    return b"garbage" * 40
+
+
+def _swap(value: bytes, other: bytes) -> bytes:
+    return other
+
+
+def _truncate(value: bytes, other: bytes) -> bytes:
+    return value[:-7]
+
+
+def _flip(value: bytes, other: bytes) -> bytes:
+    raw = bytearray(value)
+    raw[-5] ^= 0x10
+    return bytes(raw)
+
+
+#: What a damaged value on the server is made of, from a stored value and another key's valid one: garbage
+#: (refused by its magic), another key's value (by its key), cut short (truncated), one payload bit flipped
+#: (by its checksum). Each test asserts the kind kvfsm's codec reports for each, in this order.
+VALUE_DAMAGES: tuple[Callable[[bytes, bytes], bytes], ...] = (_garbage, _swap, _truncate, _flip)
 
 
 class RedisServer:

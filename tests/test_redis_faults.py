@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from redis_support import GUARD_S, RedisServer, needs_redis, running_server
+from redis_support import GUARD_S, VALUE_DAMAGES, RedisServer, needs_redis, running_server
 
 from kvfsm.control.deadlines import ManualClock
 from kvfsm.control.job import Job
@@ -411,22 +411,8 @@ def test_garbage_values_are_never_served(server: RedisServer) -> None:
     h = Harness(server.url)
     c = server.client()
 
-    def damage_garbage(v: bytes, other: bytes) -> bytes:
-        return b"garbage" * 40
-
-    def damage_swap(v: bytes, other: bytes) -> bytes:
-        return other
-
-    def damage_truncate(v: bytes, other: bytes) -> bytes:
-        return v[:-7]
-
-    def damage_flip(v: bytes, other: bytes) -> bytes:
-        raw = bytearray(v)
-        raw[-5] ^= 0x10
-        return bytes(raw)
-
     try:
-        for family, damage in enumerate((damage_garbage, damage_swap, damage_truncate, damage_flip)):
+        for family, damage in enumerate(VALUE_DAMAGES):
             hashes = h.engine.make_request("probe", h.prompt(family), 1).block_hashes
             first, second = (h.tier.redis_key(make_offload_key(hashes[i])) for i in (0, 1))
             h.serve(family)

@@ -30,7 +30,7 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.manager")
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
 
 import vllm.v1.kv_offload.base as offload_base
-from redis_support import GUARD_S, RedisServer, needs_redis, running_server
+from redis_support import GUARD_S, VALUE_DAMAGES, RedisServer, needs_redis, running_server
 from test_tiers_conformance import JobLedger
 from tiers_support import ROW, build, empty_primary, flat, key, payload, redis_entry, step
 
@@ -382,23 +382,8 @@ def test_garbage_values_are_never_served(server: RedisServer) -> None:
     """Per round, the first of four stored values is replaced on the server (garbage, another key's valid
     value, a truncated value, one payload bit flipped); the four are asked for again: the damaged one is
     refused (its kind counted) and missed, the other three are served, every byte compared."""
-
-    def garbage(value: bytes, other: bytes) -> bytes:
-        return b"garbage" * 40
-
-    def swap(value: bytes, other: bytes) -> bytes:
-        return other
-
-    def truncate(value: bytes, other: bytes) -> bytes:
-        return value[:-7]
-
-    def flip(value: bytes, other: bytes) -> bytes:
-        raw = bytearray(value)
-        raw[-5] ^= 0x10
-        return bytes(raw)
-
     h = Harness(server)
-    for n, damage in enumerate((garbage, swap, truncate, flip)):
+    for n, damage in enumerate(VALUE_DAMAGES):
         ids = list(range(4 * n, 4 * n + 4))
         h.store(ids)
         h.settle()
