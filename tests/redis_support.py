@@ -320,3 +320,18 @@ def stop_session_servers() -> None:
     if _Shared.root is not None:
         shutil.rmtree(_Shared.root, ignore_errors=True)
         _Shared.root = None
+
+
+@contextmanager
+def module_server_url() -> Iterator[str]:
+    """The session's redis-server for one test module, by URL (skips the module, with the install command,
+    without redis-server or redis-py); the session's servers are stopped when the module is done."""
+    if REDIS_SERVER is None:
+        pytest.skip(f"redis-server not found: {INSTALL_HINT}")
+    if not HAVE_REDIS_PY:
+        pytest.skip(f"redis-py not installed: {PIP_HINT}")
+    server = session_server()
+    try:
+        yield server.url
+    finally:
+        stop_session_servers()

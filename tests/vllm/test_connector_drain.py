@@ -59,17 +59,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A real redis-server on loopback for this module (skipped, with the install command, without one)."""
-    from redis_support import HAVE_REDIS_PY, INSTALL_HINT, PIP_HINT, REDIS_SERVER, session_server, stop_session_servers
+    from redis_support import module_server_url
 
-    if REDIS_SERVER is None:
-        pytest.skip(f"redis-server not found: {INSTALL_HINT}")
-    if not HAVE_REDIS_PY:
-        pytest.skip(f"redis-py not installed: {PIP_HINT}")
-    server = session_server()
-    try:
-        yield server.url
-    finally:
-        stop_session_servers()
+    with module_server_url() as url:
+        yield url
 
 
 def _tier_extra(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
