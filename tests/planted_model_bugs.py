@@ -30,6 +30,7 @@ __all__ = [
     "plant_deadline_queue_loses_entries",
     "plant_promotion_from_wrong_tier",
     "plant_quarantine_not_pending",
+    "plant_sync_wait_covers_the_stream",
     "plant_tier_reports_before_io",
     "plant_tiering_ignores_tiers",
     "plant_tiering_ignores_transfers",
@@ -163,4 +164,25 @@ def plant_quarantine_not_pending(monkeypatch: pytest.MonkeyPatch) -> Iterator[No
 PLANTED_MODEL_BUGS["quarantine_not_pending"] = (
     plant_quarantine_not_pending,
     dataclasses.replace(DEFAULT, deadlines=1, resets=0),
+)
+
+
+@contextmanager
+def plant_sync_wait_covers_the_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A worker that, for a step's sync loads, synchronises its whole copy stream: the step waits, before its
+    forward, for every copy in flight (the stores' too), not for its sync loads alone, so an arrival waits
+    for whatever the store side has in flight, not for the budget (spec/README.md, "Bounded synchronous
+    loads")."""
+
+    def buggy(self: Model, reqs: Sequence[Any], jobs: Sequence[Any]) -> list[int]:
+        return [j for j, job in enumerate(jobs) if COPYING in job[7]]  # job[7]: its shards (a record or a list)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "sync_wait_jobs", buggy)
+        yield
+
+
+PLANTED_MODEL_BUGS["sync_wait_covers_the_stream"] = (
+    plant_sync_wait_covers_the_stream,
+    dataclasses.replace(DEFAULT, sync_load_budget=1),
 )

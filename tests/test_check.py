@@ -211,7 +211,12 @@ def test_spec_names_the_temporal_properties_and_both_drain_modes() -> None:
     from kvfsm.check.properties import DrainMode, load_drain_modes, load_properties
     from kvfsm.machines.names import EngineEffect
 
-    assert {p.name for p in load_properties()} == {"responsiveness", "liveness", "deadlines_noticed"}
+    assert {p.name for p in load_properties()} == {
+        "responsiveness",
+        "liveness",
+        "deadlines_noticed",
+        "step_wait_bounded",
+    }
     modes = load_drain_modes()
     assert modes[DrainMode.BLOCKING].settle_effect is EngineEffect.FLUSH_ALL
     assert modes[DrainMode.NON_BLOCKING].settle_effect is None

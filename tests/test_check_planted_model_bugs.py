@@ -28,6 +28,7 @@ EXPECTED: dict[str, tuple[str, int]] = {
     "promotion_from_wrong_tier": ("readable_only_after_commit", 7),
     "deadline_queue_loses_entries": ("deadlines_noticed", 8),
     "quarantine_not_pending": ("pending_work_covers_jobs", 5),
+    "sync_wait_covers_the_stream": ("step_wait_bounded", 10),
 }
 
 

@@ -38,6 +38,7 @@ from kvfsm.check.model import (
     State,
     compiled,
     slot_state,
+    sync_loads,
 )
 from kvfsm.check.properties import DrainMode
 from kvfsm.machines.names import EngineState, JobState
@@ -143,6 +144,11 @@ class ExplorationResult:
     drain: DrainMode = DrainMode.NON_BLOCKING
     cpu_seconds: float = 0.0  #: CPU time of the exploration (time.process_time), liveness included
     memos_trimmed: int = 0  #: how many times the model's memos were dropped at memo_limit
+    #: the most chunks a blocked step waits to be copied, over every explored state (Model.step_wait_chunks):
+    #: with Bounds.sync_load_budget, at most the budget (spec property step_wait_bounded)
+    max_step_wait_chunks: int = 0
+    #: arrivals while a step waited for its sync loads (the engine running, so not a responsiveness check)
+    step_wait_arrivals: int = 0
 
     @property
     def ok(self) -> bool:
@@ -173,6 +179,8 @@ class ExplorationResult:
             "drain": self.drain.value,
             "compiled": compiled(),
             "memos_trimmed": self.memos_trimmed,
+            "max_step_wait_chunks": self.max_step_wait_chunks,
+            "step_wait_arrivals": self.step_wait_arrivals,
             "violations": [
                 {
                     "invariant": v.invariant,
@@ -217,9 +225,10 @@ def explore(
     the model's memos (:meth:`Model.trim_memos`): the graph is the same, only memory and time change.
     ``drain`` picks the engine's drain mode (ignored when ``model`` is given: the model's own mode is used).
 
-    Besides the invariants, every arrival taken while the engine is finishing, draining or blocked is
-    checked for responsiveness: the new request must be looked up within one engine step with no transfer
-    finishing (:meth:`Model.responsiveness`).
+    Besides the invariants, every arrival taken while the engine is finishing, draining or blocked in
+    flush_all is checked for responsiveness: the new request must be looked up within one engine step with no
+    transfer finishing (:meth:`Model.responsiveness`). The most chunks a blocked step waits for, over every
+    state, is :attr:`ExplorationResult.max_step_wait_chunks`.
     """
     # The exploration allocates millions of long-lived tuples and frees next to no cycles (refcounting
     # frees the rest): the cyclic collector's repeated scans of the growing graph are pure overhead, about
@@ -284,6 +293,9 @@ def _explore(
     edges = 0
     arrivals_checked = 0
     memos_trimmed = 0
+    max_wait = 0
+    wait_arrivals = 0
+    flush_all_blocks = model.drain is DrainMode.BLOCKING
 
     def label_id(label: Label) -> int:
         lid = label_ids.get(label)
@@ -339,6 +351,8 @@ def _explore(
             model.drain,
             time.process_time() - cpu_start,
             memos_trimmed,
+            max_wait,
+            wait_arrivals,
         )
 
     for name, detail in model.invariants(init):
@@ -353,7 +367,12 @@ def _explore(
     while i < len(states):
         s = states[i]
         # An arrival from this state is checked for responsiveness (decided once, not on every edge).
-        draining = s.blocked or s.engine in _DRAINING
+        # (flush_all blocks a finishing or draining engine; a step that waits for its sync loads runs one.)
+        draining = s.engine in _DRAINING or (s.blocked and flush_all_blocks)
+        if s.blocked:
+            waits = model.step_wait_chunks(s)
+            if waits > max_wait:
+                max_wait = waits
         for label, nxt in model.successors(s):
             if nxt is None:
                 pruned += 1
@@ -379,6 +398,8 @@ def _explore(
                     if record(name, detail, sid, None):
                         edges += 1
                         return finish(False, False)
+            if s.blocked and not draining and label[0] == "arrive":
+                wait_arrivals += 1
             if draining and label[0] == "arrive":
                 arrivals_checked += 1
                 late = model.responsiveness(nxt, len(nxt.reqs) - 1)
@@ -703,8 +724,18 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
     if kind == "stop":
         return "stop [no_pending_push_work]: quarantined memory and abandoned transfers are released"
     if kind == "unblock":
+        if sync_loads(s.reqs, s.jobs):
+            return (
+                "the step's wait for its sync loads returns: it runs its forward, launches its stores, polls, "
+                "commits and settles"
+            )
         return "flush_all's wait returns (every flushed copy finished): the step polls, commits and settles"
     return repr(label)
+
+
+def _blocked_in(s: State) -> str:
+    """What a blocked engine-core thread waits in: a step's sync loads, or flush_all."""
+    return "waiting for the step's sync loads" if sync_loads(s.reqs, s.jobs) else "in flush_all"
 
 
 def _req(s: State, i: int, names: Names | None) -> str:
@@ -748,7 +779,7 @@ def describe_state(s: State, names: Names | None = None) -> str:
         tier += " held: " + " ".join(
             f"t{t}={[k for k in range(len(s.slots)) if mask >> k & 1]}" for t, mask in enumerate(s.held)
         )
-    engine = s.engine.value + (" BLOCKED in flush_all" if s.blocked else "")
+    engine = s.engine.value + (f" BLOCKED {_blocked_in(s)}" if s.blocked else "")
     return (
         f"engine={engine} | requests: {reqs or '-'} | jobs: {jobs or '-'} | slots: {slots} "
         f"lru={list(s.lru)} | tier: {tier or '-'}"
@@ -903,7 +934,7 @@ def mermaid_sequence(v: Violation, model: Model) -> str:
         if after is None:
             lines.append(f"    Note over {src},{dst}: VIOLATES {v.invariant}")
         else:
-            engine = after.engine.value + (" (blocked in flush_all)" if after.blocked else "")
+            engine = after.engine.value + (f" (blocked {_blocked_in(after)})" if after.blocked else "")
             live = sum(1 for j in after.jobs if j.state in _LIVE)
             lines.append(f"    Note over Engine: {engine}, {live} awaited job(s), {len(after.tier)} cascade(s)")
     if v.label is None:

@@ -56,6 +56,7 @@ MAX_BOUNDS: dict[str, int] = {
     "max_jobs": 10_000,
     "tiers": 2,
     "deadlines": 16,
+    "sync_load_budget": 16,
 }
 #: ``--tier-pending``: what the last secondary tier's own has_pending_work() answers (spec/README.md, "A tier
 #: whose pending work never ends: vLLM's KVCR tier"); "always" is the hazard of vLLM's KVCRSecondaryTierManager.
@@ -75,6 +76,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "preemptions",
     "max_jobs",
     "deadlines",
+    "sync_load_budget",
     "no_failures",
     "durable",
     "promotions",
@@ -100,6 +102,7 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "prompts",
     "chunks",
     "max_jobs",
+    "sync_load_budget",
     "durable",
     "keep_going",
     "max_states",
@@ -138,6 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bound("--preemptions", 0, "preemptions")
     bound("--max-jobs", 0, "jobs created in all; 0: no bound")
     bound("--deadlines", 0, "store deadlines that may pass (time_out, quarantine)")
+    bound(
+        "--sync-load-budget",
+        0,
+        "chunks per step a lookup hit may load synchronously, the step waiting for them before its forward "
+        "(vLLM 0.34's sync_load_budget_bytes); 0: off",
+    )
     b.add_argument("--no-failures", action="store_true", help="copies and cascades never fail")
     b.add_argument(
         "--durable",
@@ -356,6 +365,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         max_jobs=get("max_jobs"),
         deadlines=get("deadlines"),
         tier_pending_always=_tier_pending_always(args),
+        sync_load_budget=get("sync_load_budget"),
     )
 
 
@@ -410,6 +420,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and bounds.tier_pending_always:
         raise ConfigError(
             "--replay replays the implementation, whose tiers report only real pending work; drop --tier-pending always"
+        )
+    if args.replay and bounds.sync_load_budget:
+        raise ConfigError(
+            "--replay replays the implementation, which loads asynchronously only; drop --sync-load-budget"
         )
     model = Model(bounds, drain)
     if show:
@@ -499,6 +513,12 @@ def _print_text(
         + (f", memos dropped {result.memos_trimmed:,} times at --memo-limit" if result.memos_trimmed else "")
         + f"; drain={result.drain.value}, responsiveness checked on {result.responsiveness_checks:,} arrivals "
         "while draining"
+        + (
+            f"; sync loads of at most {result.bounds.sync_load_budget} chunk(s) per step: a blocked step waits for "
+            f"at most {result.max_step_wait_chunks} chunk(s), {result.step_wait_arrivals:,} arrivals while it waits"
+            if result.bounds.sync_load_budget
+            else ""
+        )
     )
     for v in result.violations:
         print()

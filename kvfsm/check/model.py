@@ -39,7 +39,9 @@ Options widen the scope (:class:`Bounds`): promotions from the tiers (``promotio
 with time-out and quarantine (``deadlines``), a bounded shutdown with ``flush_all``, give-up and ``stop``
 (``shutdown``), a durable last tier (``durable``), up to two tiers (``tiers``); and one hazard, not a tier
 kvfsm runs: a last tier whose own ``has_pending_work()`` is always True (``tier_pending_always``, vLLM's
-KVCR tier), which the liveness check rejects.
+KVCR tier), which the liveness check rejects; and vLLM 0.34's bounded synchronous loads
+(``sync_load_budget``): a hit that fits the step's remaining budget is loaded in the step that runs its
+request, which waits for that load's copies before its forward (the ``blocked`` flag, in a running engine).
 
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
 one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
@@ -47,7 +49,8 @@ on stores only (not on loads, cascades or promotions); a flush's blocking wait a
 successfully; a reset is modelled with relative job ids (a discarded job is "below the threshold" iff its
 id 0 is below ``stale_threshold_after_reset(1, 0)``). The drain mode
 (:class:`~kvfsm.check.properties.DrainMode`) is the spec's: non-blocking, or the #42611 blocking baseline,
-whose ``flush_all`` wait is the ``blocked`` flag.
+whose ``flush_all`` wait is the ``blocked`` flag. A sync step's wait always ends (its copies finish or fail;
+a failed sync load sends its request back to recompute: the forward that read it is thrown away).
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ __all__ = [
     "RequestScratch",
     "State",
     "TierRec",
+    "sync_loads",
 ]
 
 # The spec enums' members used on the hot paths, as Final names: the compiled build keeps each in a C static,
@@ -225,6 +229,10 @@ class Bounds:
     #: the last tier's own has_pending_work() answers True at every call, whatever it holds (vLLM's
     #: KVCRSecondaryTierManager): a hazard the liveness check must reject, not a tier kvfsm runs
     tier_pending_always: bool = False
+    #: vLLM 0.34's bounded synchronous loads (sync_load_budget_bytes), in chunks per step; 0: off. A lookup hit
+    #: of at most the step's remaining budget is loaded in the step that schedules its request: the step
+    #: waits for that load's copies before its forward (spec/README.md, "Bounded synchronous loads")
+    sync_load_budget: int = 0
 
     def __post_init__(self) -> None:
         positive = ("requests", "prompts", "chunks", "workers", "slots", "groups")
@@ -232,7 +240,7 @@ class Bounds:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"bound {name} must be a positive integer, got {value!r}")
-        for name in ("tiers", "resets", "preemptions", "max_jobs", "deadlines"):
+        for name in ("tiers", "resets", "preemptions", "max_jobs", "deadlines", "sync_load_budget"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"bound {name} must be a non-negative integer, got {value!r}")
@@ -598,6 +606,13 @@ class Model:
         self.is_evictable: Callable[[SlotState], bool] = cpu_mod.is_evictable
         # Bounds.tier_pending_always: the last tier's has_pending_work() never answers False.
         self.tier_pending_always: bool = b.tier_pending_always
+        # Bounds.sync_load_budget: chunks per step that lookups may load synchronously (0: none).
+        self.sync_budget: int = b.sync_load_budget
+        if self.sync_budget and self.drain is DrainMode.BLOCKING:
+            raise ConfigError(
+                "sync_load_budget needs the non_blocking drain: the blocking baseline's flush_all wait and a sync "
+                "step's wait would share the blocked flag"
+            )
         self._memo_job: dict[tuple[Any, ...], tuple[JobState, JobEffect | None] | InvalidTransition] = {}
         self._memo_slot: dict[tuple[int, SlotEvent], int | InvalidTransition] = {}
         self._memo_req: dict[tuple[Any, ...], tuple[RequestState, RequestEffect | None] | InvalidTransition] = {}
@@ -811,6 +826,25 @@ class Model:
                 return t
         return None
 
+    def sync_wait_jobs(self, reqs: Sequence[Any], jobs: Sequence[Any]) -> list[int]:
+        """The jobs whose copies a step with sync loads waits for before its forward (the worker's
+        ``wait(sync_job_ids)``): the step's sync loads, nothing else."""
+        return sync_loads(reqs, jobs)
+
+    def step_wait_jobs(self, s: State) -> list[int]:
+        """The jobs whose copies the blocked engine-core thread waits for: a sync step's wait
+        (:meth:`sync_wait_jobs`) when the step has sync loads, else flush_all's (every awaited job)."""
+        if self.sync_budget and sync_loads(s.reqs, s.jobs):
+            return self.sync_wait_jobs(s.reqs, s.jobs)
+        return [j for j, job in enumerate(s.jobs) if job.state in _LIVE]
+
+    def step_wait_chunks(self, s: State) -> int:
+        """How many chunks the blocked step of ``s`` still waits to be copied (0 when it is not blocked): the
+        keys of every job it waits for that has a copy still running."""
+        if not s.blocked:
+            return 0
+        return sum(len(s.jobs[j].keys) for j in self.step_wait_jobs(s) if COPYING in s.jobs[j].shards)
+
     # ------------------------------------------------------------------ ground truth
 
     @staticmethod
@@ -928,7 +962,7 @@ class Model:
                 out.append((("arrive", p), self._guard(self._arrive, s, p)))
         if s.blocked:
             # The engine-core thread waits in flush_all: it runs nothing until every flushed copy finished.
-            if not any(COPYING in job.shards for job in s.jobs if job.state in _LIVE):
+            if not any(COPYING in s.jobs[j].shards for j in self.step_wait_jobs(s)):
                 out.append((("unblock",), self._guard(self._unblock, s, -1)))
             return out
         if any(r.eng == E_WAIT for r in s.reqs):  # (the GPU groups matter only to a lookup)
@@ -1251,9 +1285,21 @@ class Model:
         for key in keys:
             self._begin_read(w, key)
         r[_R_PHASE] = self.req_event(r[_R_PHASE], _REQ_EV_START_LOAD, False)[0]
+        # _reserve_sync_load: a hit that fits what is left of the step's budget (and leaves a token to compute)
+        # is loaded synchronously: the engine runs the request in this very step, from its hit tokens.
+        sync = (
+            self.sync_budget > 0
+            and r[_R_COMPUTED] + hits * TOKENS_PER_BLOCK < self.total_tokens
+            and hits <= self.sync_budget - sum(len(w.jobs[j][_J_KEYS]) for j in sync_loads(w.reqs, w.jobs))
+        )
         self._count_job(w)
         w.jobs.append([LOAD, keys, i, g, _JOB_SUBMITTED, self.W, 0, (UNLAUNCHED,) * self.W, False, self.W, False])
         r[_R_NEXT] = hits
+        if sync:
+            r[_R_COMPUTED] = hits * TOKENS_PER_BLOCK
+            r[_R_ENG] = E_RUN
+            r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_RUN and x is not r)
+            return w.freeze()
         r[_R_ENG] = E_LOAD
         r[_R_POS] = sum(1 for x in w.reqs if x[_R_ENG] == E_LOAD and x is not r)
         return w.freeze()
@@ -1499,15 +1545,50 @@ class Model:
                         f"this step writes GPU group {job[_J_GROUP]} while {KIND_NAMES[job[_J_KIND]]} job "
                         f"(keys {list(job[_J_KEYS])}) still {what} it on worker(s) {busy}",
                     )
+        if self.sync_budget and loads and sync_loads(reqs, w.jobs):
+            # Bounded synchronous loads: the workers wait for the step's sync loads before the forward, on
+            # the engine-core thread; the step resumes (unblock) once every copy it waits for has finished.
+            self._check_step_wait(w)
+            w.blocked = True
+            return self._compact(w)
+        return self._forward(w, scheduled)
+
+    def _forward(self, w: _World, scheduled: list[tuple[int, int]]) -> State:
+        """The step's forward, then every store not launched yet, then the step's tail."""
+        reqs = w.reqs
         for i, n in scheduled:
             reqs[i][_R_COMPUTED] += n
         # After the forward: launch every store not launched yet.
         for job in w.jobs:
             if job[_J_KIND] == STORE and UNLAUNCHED in job[_J_SHARDS]:
-                for rank in range(W):
+                for rank in range(self.W):
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
         return self._step_tail(w)
+
+    def _check_step_wait(self, w: _World) -> None:
+        """Spec property step_wait_bounded, where a step starts its wait: every copy the step waits for is a
+        sync load of this step (ground truth: a load whose request the engine runs in this step), and they
+        copy at most the budget's chunks."""
+        sync = sync_loads(w.reqs, w.jobs)
+        chunks = 0
+        for j in self.sync_wait_jobs(w.reqs, w.jobs):
+            job = w.jobs[j]
+            if COPYING not in job[_J_SHARDS]:
+                continue
+            if j not in sync:
+                state = job[_J_STATE].value
+                raise ModelViolation(
+                    "step_wait_bounded",
+                    f"the step waits, before its forward, for the copy of {KIND_NAMES[job[_J_KIND]]} job "
+                    f"(keys {list(job[_J_KEYS])}, {state}), which is not one of its sync loads",
+                )
+            chunks += len(job[_J_KEYS])
+        if chunks > self.sync_budget:
+            raise ModelViolation(
+                "step_wait_bounded",
+                f"the step waits for {chunks} chunks of sync loads, over the budget of {self.sync_budget}",
+            )
 
     def _step_tail(self, w: _World) -> State:
         """The end of a step: poll every worker, update_connector_output with the summed reports, settle."""
@@ -1539,9 +1620,16 @@ class Model:
         return self._compact(w)
 
     def _unblock(self, s: State, _: int) -> State:
-        """flush_all's wait returns (every flushed copy finished): the step polls, commits and settles."""
+        """The step's wait returns. flush_all's (every flushed copy finished): the step polls, commits and
+        settles. A sync step's (its sync loads' copies finished): the step runs its forward, from the tokens
+        its sync loads hit, launches its stores, then polls, commits and settles."""
         w = _World(s)
         w.blocked = False
+        if self.sync_budget and sync_loads(w.reqs, w.jobs):
+            reqs = w.reqs
+            return self._forward(
+                w, [(i, self.total_tokens - r[_R_COMPUTED]) for i, r in enumerate(reqs) if r[_R_ENG] == E_RUN]
+            )
         return self._step_tail(w)
 
     def responsiveness(self, s: State, i: int) -> str | None:
@@ -1549,6 +1637,12 @@ class Model:
         one engine step without any transfer finishing, or None when it can (spec property responsiveness)."""
         if any(True for _ in self._lookup_all(s, i)):
             return None
+        if s.blocked and self.sync_budget and sync_loads(s.reqs, s.jobs):
+            chunks = self.step_wait_chunks(s)
+            return (
+                "the request that just arrived is waiting while the engine is blocked in a step that waits for "
+                f"its sync loads ({chunks} chunk(s) still copying): no lookup and no step can run until they finish"
+            )
         if s.blocked:
             copying = sum(sh == COPYING for job in s.jobs if job.state in _LIVE for sh in job.shards)
             return (
@@ -1712,7 +1806,12 @@ class Model:
             self._complete_store(w, job[_J_KEYS], ok)
         else:
             self._complete_load(w, job[_J_KEYS])
-            if ok:
+            if w.reqs[i][_R_ENG] == E_RUN:
+                # A sync load: its request already ran this step's forward from the loaded tokens. A failed
+                # one's blocks were never valid, so that forward is discarded and the request recomputes.
+                if not ok:
+                    w.reqs[i][_R_COMPUTED] = 0
+            elif ok:
                 w.reqs[i][_R_COMPUTED] = len(job[_J_KEYS]) * TOKENS_PER_BLOCK
         job[_J_REQ] = -1
         r = w.reqs[i]
@@ -2183,6 +2282,19 @@ _TERMINAL_SKIP: Final = (
 
 def _req_sort_key(r: Req) -> tuple[Any, ...]:
     return (r.phase, r.eng, r.prompt, r.computed, r.next_chunk, r.group >= 0, r.pos, r.fin_pos, r.alloc)
+
+
+def sync_loads(reqs: Sequence[Sequence[Any]], jobs: Sequence[Sequence[Any]]) -> list[int]:
+    """The sync loads (Bounds.sync_load_budget): the awaited load jobs whose request the engine already runs
+    (an asynchronous load's request waits in ``loading`` until its load is reported)."""
+    return [
+        j
+        for j, job in enumerate(jobs)
+        if job[_J_KIND] == LOAD
+        and (job[_J_STATE] is _JOB_SUBMITTED or job[_J_STATE] is _JOB_IN_FLIGHT)
+        and job[_J_REQ] >= 0
+        and reqs[job[_J_REQ]][_R_ENG] == E_RUN
+    ]
 
 
 def _awaits(jobs: Sequence[Sequence[Any]], i: int) -> bool:
