@@ -131,6 +131,10 @@ def _model_id(machine: str, model: object) -> str:
     return machine
 
 
+#: The handle of a started recorder that is not a process-wide tracer (``process_wide=False``).
+_NOT_PROCESS_WIDE = TracerHandle(-1)
+
+
 class TraceRecorder:
     """Write every transition as NDJSON while started; use as a context manager.
 
@@ -139,11 +143,20 @@ class TraceRecorder:
     """
 
     def __init__(
-        self, sink: str | Path | TextIO, *, clock: Callable[[], float] = time.perf_counter, data_plane: bool = False
+        self,
+        sink: str | Path | TextIO,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        data_plane: bool = False,
+        process_wide: bool = True,
     ) -> None:
         #: The data plane's copy events are connected to :meth:`copy_event` (the header says so, and the
         #: verifier then holds every store and load to its copies).
         self.data_plane = data_plane
+        #: While started, every spec machine of the process is recorded (the recorder is a process-wide
+        #: tracer). False records only what is handed to the recorder by a call: a recorder of another
+        #: system (kvfsm.vllm.tier_recorder) whose components run kvfsm machines of their own below it.
+        self.process_wide = process_wide
         self._path = Path(sink) if isinstance(sink, str | Path) else None
         self._stream: TextIO | None = None if self._path is not None else sink  # type: ignore[assignment]
         self._clock = clock
@@ -181,13 +194,14 @@ class TraceRecorder:
             "data_plane": self.data_plane,
         }
         self._write(header)
-        self._handle = add_tracer(self)
+        self._handle = add_tracer(self) if self.process_wide else _NOT_PROCESS_WIDE
         return self
 
     def stop(self) -> None:
         if self._handle is None:
             return
-        remove_tracer(self._handle)
+        if self._handle is not _NOT_PROCESS_WIDE:
+            remove_tracer(self._handle)
         self._handle = None
         self._insts.clear()
         self._loads.clear()

@@ -46,7 +46,7 @@ class _Request:
         self.state = "tracked"
 
 
-class _Job:
+class RecordedJob:
     __slots__ = (
         "failed_reports",
         "job_id",
@@ -60,7 +60,7 @@ class _Job:
         "world_size",
     )
 
-    def __init__(self, job_id: int, kind: str, req_id: str, keys: Iterable[bytes], world_size: int) -> None:
+    def __init__(self, job_id: int | str, kind: str, req_id: str, keys: Iterable[bytes], world_size: int) -> None:
         self.job_id = job_id
         self.kind = kind
         self.req_id = req_id
@@ -96,18 +96,30 @@ class _Engine:
 class NativeRecorder:
     """Records one vLLM ``OffloadingConnectorScheduler`` (and its manager) into a :class:`TraceRecorder`."""
 
-    def __init__(self, native: Any, trace: TraceRecorder, world_size: int, *, record_slots: bool = True) -> None:
+    def __init__(
+        self,
+        native: Any,
+        trace: TraceRecorder,
+        world_size: int,
+        *,
+        record_slots: bool = True,
+        slots_of: Any = None,
+        aliases: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        """``slots_of`` is the object whose slot calls are recorded (by default ``native.manager``; under
+        vLLM's tiering, its primary tier), and ``aliases`` names the other attributes of it that are the same
+        calls (vLLM's primary tier binds ``prepare_write`` to ``prepare_store`` and so on)."""
         self.native = native
         self.trace = trace
         self.world_size = world_size
         self.requests: dict[str, _Request] = {}
-        self.jobs: dict[int, _Job] = {}
+        self.jobs: dict[int, RecordedJob] = {}
         self.slots: dict[bytes, _Slot] = {}
         self.engine = _Engine(native.has_pending_push_work)
         self.record_slots = record_slots
         self._wrap_scheduler(native)
         if record_slots:  # off where the manager is a test double (vLLM's connector suite mocks it)
-            self._wrap_manager(native.manager)
+            self._wrap_manager(native.manager if slots_of is None else slots_of, aliases or {})
 
     # ------------------------------------------------------------------ emitting
 
@@ -148,7 +160,7 @@ class NativeRecorder:
                 continue
             # Without slot records a job's keys name nothing the trace can check, so none are written.
             keys = status.keys if self.record_slots else ()
-            self.jobs[job_id] = _Job(job_id, kind, status.req_id, keys, self.world_size)
+            self.jobs[job_id] = RecordedJob(job_id, kind, status.req_id, keys, self.world_size)
 
     def _launch_all(self, job_ids: Iterable[int]) -> None:
         for job_id in job_ids:
@@ -159,12 +171,12 @@ class NativeRecorder:
                 if job.launched_mask >> rank & 1:
                     continue
 
-                def launched(job: _Job = job, rank: int = rank) -> None:
+                def launched(job: RecordedJob = job, rank: int = rank) -> None:
                     job.launched_mask |= 1 << rank
 
                 self._fire_before("job", job, "launch", "in_flight", launched)
 
-    def _ack(self, job: _Job, done: bool) -> None:
+    def _ack(self, job: RecordedJob, done: bool) -> None:
         rank = next(r for r in range(job.world_size) if not job.reported_mask >> r & 1)
         last = job.pending == 1
 
@@ -245,7 +257,7 @@ class NativeRecorder:
             counts: dict[int, int] = dict(getattr(meta, "completed_jobs", {}) or {})
             threshold = native._stale_job_threshold
             # The acks are recorded before vLLM acts on them: a store's job completes, then its slots commit.
-            finished: list[_Job] = []
+            finished: list[tuple[int, RecordedJob]] = []
             for job_id, count in counts.items():
                 job = self.jobs.get(job_id)
                 status = native._jobs.get(job_id)
@@ -255,11 +267,11 @@ class NativeRecorder:
                 for i in range(count):
                     self._ack(job, done and i == count - 1)
                 if job.state == "complete":
-                    finished.append(job)
+                    finished.append((job_id, job))
             orig_output(connector_output)
-            for job in finished:
+            for job_id, job in finished:
                 if job.state == "complete":
-                    self.jobs.pop(job.job_id, None)
+                    self.jobs.pop(job_id, None)
                     req = self.requests.get(job.req_id)
                     if job.kind == "load" and req is not None and req.state == "loading":
                         self._fire("request", req, "load_done", "running")
@@ -293,65 +305,83 @@ class NativeRecorder:
         native.request_finished = request_finished
         native.reset_cache = reset_cache
 
-    def _wrap_manager(self, manager: Any) -> None:
-        orig_prepare_store = manager.prepare_store
-        orig_complete_store = manager.complete_store
-        orig_prepare_load = manager.prepare_load
-        orig_complete_load = manager.complete_load
-        orig_reset = manager.reset_cache
+    def _wrap_manager(self, manager: Any, aliases: dict[str, tuple[str, ...]]) -> None:
+        """Record the slot calls of ``manager``: each attribute named here (and each alias of it) is wrapped
+        around its own original, so an alias that is a method of its own (vLLM's ``prepare_read``, which
+        leaves recency alone) keeps its behaviour."""
 
-        def prepare_store(keys: Any, req_context: Any) -> Any:
-            out = orig_prepare_store(keys, req_context)
-            if out is not None:
-                for key in out.evicted_keys or ():
+        def prepare_store(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(keys: Any, req_context: Any) -> Any:
+                out = orig(keys, req_context)
+                if out is not None:
+                    for key in out.evicted_keys or ():
+                        slot = self._slot(key)
+                        if slot.state == "ready":
+                            self._slot_fire(slot, "evict", "absent")
+                    for key in out.keys_to_store:
+                        slot = self._slot(key)
+                        if slot.state == "absent":
+                            self._slot_fire(slot, "begin_write", "writing")
+                return out
+
+            return wrapper
+
+        def complete_store(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(keys: Any, req_context: Any, success: bool = True) -> Any:
+                result = orig(keys, req_context, success)
+                for key in sorted(bytes(k) for k in keys):
+                    slot = self.slots.get(key)
+                    if slot is not None and slot.state == "writing":
+                        self._slot_fire(
+                            slot, "commit_write" if success else "abort_write", "ready" if success else "absent"
+                        )
+                return result
+
+            return wrapper
+
+        def prepare_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(keys: Any, req_context: Any) -> Any:
+                out = orig(keys, req_context)
+                for key in keys:
                     slot = self._slot(key)
-                    if slot.state == "ready":
-                        self._slot_fire(slot, "evict", "absent")
-                for key in out.keys_to_store:
-                    slot = self._slot(key)
-                    if slot.state == "absent":
-                        self._slot_fire(slot, "begin_write", "writing")
-            return out
+                    if slot.state in ("ready", "reading"):
+                        self._slot_fire(slot, "begin_read", "reading", slot.readers + 1)
+                return out
 
-        def complete_store(keys: Any, req_context: Any, success: bool = True) -> Any:
-            result = orig_complete_store(keys, req_context, success)
-            for key in sorted(bytes(k) for k in keys):
-                slot = self.slots.get(key)
-                if slot is not None and slot.state == "writing":
-                    self._slot_fire(
-                        slot, "commit_write" if success else "abort_write", "ready" if success else "absent"
-                    )
-            return result
+            return wrapper
 
-        def prepare_load(keys: Any, req_context: Any) -> Any:
-            out = orig_prepare_load(keys, req_context)
-            for key in keys:
-                slot = self._slot(key)
-                if slot.state in ("ready", "reading"):
-                    self._slot_fire(slot, "begin_read", "reading", slot.readers + 1)
-            return out
+        def complete_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(keys: Any, req_context: Any) -> Any:
+                result = orig(keys, req_context)
+                for key in keys:
+                    slot = self.slots.get(bytes(key))
+                    if slot is not None and slot.state == "reading":
+                        dest = "reading" if slot.readers > 1 else "ready"
+                        self._slot_fire(slot, "end_read", dest, slot.readers - 1)
+                return result
 
-        def complete_load(keys: Any, req_context: Any) -> Any:
-            result = orig_complete_load(keys, req_context)
-            for key in keys:
-                slot = self.slots.get(bytes(key))
-                if slot is not None and slot.state == "reading":
-                    dest = "reading" if slot.readers > 1 else "ready"
-                    self._slot_fire(slot, "end_read", dest, slot.readers - 1)
-            return result
+            return wrapper
 
-        def reset_cache() -> Any:
-            result = orig_reset()
-            for slot in list(self.slots.values()):
-                if slot.state != "absent":
-                    self._slot_fire(slot, "reset", "absent", 0)
-            return result
+        def reset_cache(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper() -> Any:
+                result = orig()
+                for slot in list(self.slots.values()):
+                    if slot.state != "absent":
+                        self._slot_fire(slot, "reset", "absent", 0)
+                return result
 
-        manager.prepare_store = prepare_store
-        manager.complete_store = complete_store
-        manager.prepare_load = prepare_load
-        manager.complete_load = complete_load
-        manager.reset_cache = reset_cache
+            return wrapper
+
+        makers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+            "prepare_store": prepare_store,
+            "complete_store": complete_store,
+            "prepare_load": prepare_load,
+            "complete_load": complete_load,
+            "reset_cache": reset_cache,
+        }
+        for name, make in makers.items():
+            for attr in (name, *aliases.get(name, ())):
+                setattr(manager, attr, make(getattr(manager, attr)))
 
     # ------------------------------------------------------------------ the engine loop
 
