@@ -29,6 +29,7 @@ __all__ = [
     "plant_backend_reports_running_copies",
     "plant_deadline_queue_loses_entries",
     "plant_promotion_from_wrong_tier",
+    "plant_promotions_not_held_after_reset",
     "plant_quarantine_not_pending",
     "plant_sync_wait_covers_the_stream",
     "plant_tier_reports_before_io",
@@ -185,4 +186,24 @@ def plant_sync_wait_covers_the_stream(monkeypatch: pytest.MonkeyPatch) -> Iterat
 PLANTED_MODEL_BUGS["sync_wait_covers_the_stream"] = (
     plant_sync_wait_covers_the_stream,
     dataclasses.replace(DEFAULT, sync_load_budget=1),
+)
+
+
+@contextmanager
+def plant_promotions_not_held_after_reset(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The tiering manager forgets its reset hold (vLLM 0.34's ``_promotions_held``): right after a reset, a
+    lookup promotes into a primary slot that a store copy the reset discarded may still write (spec/README.md,
+    "The reset hold"). kvfsm's own TieringManager has no such hold: this is how it behaves today."""
+
+    def buggy(self: Model, jobs: Sequence[Any]) -> bool:
+        return False
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "promotions_held", buggy)
+        yield
+
+
+PLANTED_MODEL_BUGS["promotions_not_held_after_reset"] = (
+    plant_promotions_not_held_after_reset,
+    dataclasses.replace(DEFAULT, workers=1, failures=False, promotions=True, late_writes=True, reset_hold=True),
 )

@@ -29,6 +29,7 @@ EXPECTED: dict[str, tuple[str, int]] = {
     "deadline_queue_loses_entries": ("deadlines_noticed", 8),
     "quarantine_not_pending": ("pending_work_covers_jobs", 5),
     "sync_wait_covers_the_stream": ("step_wait_bounded", 10),
+    "promotions_not_held_after_reset": ("stale_ids_ignored", 11),
 }
 
 

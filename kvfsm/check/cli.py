@@ -77,6 +77,8 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "max_jobs",
     "deadlines",
     "sync_load_budget",
+    "late_writes",
+    "reset_hold",
     "no_failures",
     "durable",
     "promotions",
@@ -103,6 +105,8 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "chunks",
     "max_jobs",
     "sync_load_budget",
+    "late_writes",
+    "reset_hold",
     "durable",
     "keep_going",
     "max_states",
@@ -158,6 +162,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--promotions", action="store_true", help="the tiers hit what they hold: lookups promote it into the primary"
+    )
+    b.add_argument(
+        "--late-writes",
+        action="store_true",
+        help="with --promotions: a copy that reset_cache discarded may still write the primary slot the reset "
+        "freed until a step flushes it; a promotion submitted before then breaks stale_ids_ignored",
+    )
+    b.add_argument(
+        "--reset-hold",
+        action="store_true",
+        help="with --promotions: after a reset, hold promotions (a key missing from the primary is a MISS) until "
+        "every copy the reset discarded has reported (vLLM 0.34's _promotions_held)",
     )
     b.add_argument(
         "--tier-pending",
@@ -366,6 +382,8 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         deadlines=get("deadlines"),
         tier_pending_always=_tier_pending_always(args),
         sync_load_budget=get("sync_load_budget"),
+        late_writes=bool(getattr(args, "late_writes", False)),
+        reset_hold=bool(getattr(args, "reset_hold", False)),
     )
 
 
@@ -424,6 +442,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and bounds.sync_load_budget:
         raise ConfigError(
             "--replay replays the implementation, which loads asynchronously only; drop --sync-load-budget"
+        )
+    if args.replay and bounds.reset_hold:
+        raise ConfigError(
+            "--replay replays the implementation, which does not hold promotions after a reset; drop --reset-hold"
         )
     model = Model(bounds, drain)
     if show:

@@ -41,13 +41,17 @@ with time-out and quarantine (``deadlines``), a bounded shutdown with ``flush_al
 kvfsm runs: a last tier whose own ``has_pending_work()`` is always True (``tier_pending_always``, vLLM's
 KVCR tier), which the liveness check rejects; and vLLM 0.34's bounded synchronous loads
 (``sync_load_budget``): a hit that fits the step's remaining budget is loaded in the step that runs its
-request, which waits for that load's copies before its forward (the ``blocked`` flag, in a running engine).
+request, which waits for that load's copies before its forward (the ``blocked`` flag, in a running engine);
+and the late write of a copy that a reset discarded (``late_writes``), with vLLM 0.34's reset hold
+(``reset_hold``), which keeps promotions from the slots it may write.
 
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
 one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
-on stores only (not on loads, cascades or promotions); a flush's blocking wait always completes the copy
-successfully; a reset is modelled with relative job ids (a discarded job is "below the threshold" iff its
-id 0 is below ``stale_threshold_after_reset(1, 0)``). The drain mode
+on stores only (not on loads, cascades or promotions, so no promotion quarantine and no vLLM 0.34
+``deferred_release``); one primary slot per key, so which freed slot a late copy writes after a reset is not
+modelled (``late_writes`` treats every freed slot as possibly that one); a flush's blocking wait always
+completes the copy successfully; a reset is modelled with relative job ids (a discarded job is "below the
+threshold" iff its id 0 is below ``stale_threshold_after_reset(1, 0)``). The drain mode
 (:class:`~kvfsm.check.properties.DrainMode`) is the spec's: non-blocking, or the #42611 blocking baseline,
 whose ``flush_all`` wait is the ``blocked`` flag. A sync step's wait always ends (its copies finish or fail;
 a failed sync load sends its request back to recompute: the forward that read it is thrown away).
@@ -233,6 +237,14 @@ class Bounds:
     #: of at most the step's remaining budget is loaded in the step that schedules its request: the step
     #: waits for that load's copies before its forward (spec/README.md, "Bounded synchronous loads")
     sync_load_budget: int = 0
+    #: a copy that reset_cache discarded may still write a primary slot, which the reset freed for reuse,
+    #: until a step has flushed it: a promotion submitted before then may be the late write's victim, which
+    #: breaks stale_ids_ignored (spec/README.md, "The reset hold")
+    late_writes: bool = False
+    #: vLLM 0.34's reset hold (TieringOffloadingManager._promotions_held): after a reset, no promotion is
+    #: reserved until the workers have reported every copy the reset discarded; meanwhile a key missing from
+    #: the primary is a MISS
+    reset_hold: bool = False
 
     def __post_init__(self) -> None:
         positive = ("requests", "prompts", "chunks", "workers", "slots", "groups")
@@ -252,6 +264,8 @@ class Bounds:
             raise ConfigError("promotions=True needs a secondary tier (tiers >= 1)")
         if self.tier_pending_always and not self.tiers:
             raise ConfigError("tier_pending_always=True needs a secondary tier (tiers >= 1)")
+        if (self.late_writes or self.reset_hold) and not self.promotions:
+            raise ConfigError("late_writes=True and reset_hold=True are about promotions: they need promotions=True")
         if self.workers > 8:
             raise ConfigError(f"workers={self.workers} is too many to explore; expected at most 8")
 
@@ -826,6 +840,14 @@ class Model:
                 return t
         return None
 
+    def promotions_held(self, jobs: Sequence[Any]) -> bool:
+        """Bounds.reset_hold: the tiering manager's ``_promotions_held``, set by reset_cache and cleared by
+        ``on_reset_flushed`` once the workers have reported every copy the reset discarded."""
+        return any(
+            (j[_J_STATE] is _JOB_STALE or j[_J_IGNORED]) and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
+            for j in jobs
+        )
+
     def sync_wait_jobs(self, reqs: Sequence[Any], jobs: Sequence[Any]) -> list[int]:
         """The jobs whose copies a step with sync loads waits for before its forward (the worker's
         ``wait(sync_job_ids)``): the step's sync loads, nothing else."""
@@ -1247,7 +1269,11 @@ class Model:
         for key in self.prompt_keys[r[_R_PROMPT]]:
             code = w.slots[key]
             if code == ABSENT:
-                src = self.promotion_source(w.held, key) if w.held else None
+                src = (
+                    self.promotion_source(w.held, key)
+                    if w.held and not (self.bounds.reset_hold and self.promotions_held(w.jobs))
+                    else None
+                )
                 if src is not None and self._reserve(w, key, scanned):
                     w.tier.append([(key,), UNLAUNCHED, src, False, True])
                     must_wait = True  # HIT_PENDING: the request defers until the promotion commits
@@ -1480,6 +1506,8 @@ class Model:
             self._poll(w)
             for t in w.tier:
                 if t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED:
+                    if self.bounds.late_writes:
+                        self._check_no_late_write(w, t)
                     t[_T_STATUS] = COPYING
             w.polled = False
         flush: set[int] = set()
@@ -1565,6 +1593,25 @@ class Model:
                     if job[_J_SHARDS][rank] == UNLAUNCHED and job[_J_STATE] not in _TERMINAL_SKIP:
                         self._launch(job, rank)
         return self._step_tail(w)
+
+    def _check_no_late_write(self, w: _World, rec: list[Any]) -> None:
+        """Bounds.late_writes, where on_schedule_end submits promotion ``rec`` (its tier I/O starts writing a
+        primary slot): no store copy that reset_cache discarded may still be running. The reset freed that
+        copy's slot, and the model's slots are per key where the primary's are reused by any key, so the
+        promotion's slot may be the one the late copy still writes (ground truth: the shard states)."""
+        for job in w.jobs:
+            if (
+                job[_J_KIND] == STORE
+                and (job[_J_STATE] is _JOB_STALE or job[_J_IGNORED])
+                and (COPYING in job[_J_SHARDS] or REPORTED_COPYING in job[_J_SHARDS])
+            ):
+                raise ModelViolation(
+                    "stale_ids_ignored",
+                    f"a promotion of keys {list(rec[_T_KEYS])} from tier {rec[_T_TIER]} is submitted while a "
+                    f"store job (keys {list(job[_J_KEYS])}) that reset_cache discarded may still write the "
+                    "primary slot the reset freed: the promotion may fill that very slot, and the late copy "
+                    "overwrite it",
+                )
 
     def _check_step_wait(self, w: _World) -> None:
         """Spec property step_wait_bounded, where a step starts its wait: every copy the step waits for is a
