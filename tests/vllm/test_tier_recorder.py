@@ -27,7 +27,7 @@ from kvfsm.vllm.tier_recorder import TieringRecorder
 
 #: Enough CPU chunks for a request's prefix, few enough that prefixes are evicted and promoted back.
 CPU_CHUNKS = 12
-DRAIN_STEPS = 3000  #: the most empty steps the engine loop runs after the workload (a guard, not a timing)
+DRAIN_STEPS = 20000  #: the most empty steps the engine loop runs after the workload (a guard, not a timing)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_vllms_tiering_over_a_random_workload_is_a_behaviour_of_the_spec(
     engine drains to idle between waves and stops at the end: every record is a transition of the spec."""
     driver = _driver(model_dir, _tier(tier, tmp_path / "fs"))
     path = tmp_path / "tiering.ndjson"
-    _record(driver, path, WorkloadSpec(num_requests=40, seed=3, wave=8))
+    _record(driver, path, WorkloadSpec(num_requests=80, seed=3, wave=8))
     events = _events(path)
     for needed in [
         ("job", "launch", "store"),
@@ -98,6 +98,41 @@ def test_vllms_tiering_over_a_random_workload_is_a_behaviour_of_the_spec(
     ]:
         assert events[needed] > 0, f"the workload never reached {needed}: {sorted(events.items())}"
     assert events[("engine", "admit", "")] > 2  # drained to idle and admitted again
+    report = verify_trace_file(path)
+    assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("faults", ["bad-reads", "slow-reads"])
+def test_failed_and_timed_out_promotions_are_a_behaviour_of_the_spec(
+    model_dir: Path, tmp_path: Path, faults: str
+) -> None:
+    """kvfsm's fs tier with faults in its reads. Bad reads (a corrupt block, EIO): vLLM commits the keys that
+    arrived and drops the rest, recorded as ``fail``. Reads slower than ``promote_timeout_s``: on 0.34 the
+    promotion is reported at its deadline with a deferred release, recorded as the spec's ``time_out`` (its
+    I/O may still run; the chunk stays held until the read ends); before 0.34 it is reported when the read
+    ends. Every record is still a transition of the spec, and every job ends."""
+    from kvfsm.tiers.faults import FaultKind, FaultPlan, FaultRule
+    from kvfsm.vllm.tiers import supports_deferred_release
+
+    driver = _driver(model_dir, {**_tier("kvfsm-fs", tmp_path / "fs"), "promote_timeout_s": 0.05})
+    (tier,) = driver.connector_scheduler.manager.secondary_tiers
+    if faults == "bad-reads":
+        rules = [
+            FaultRule(op="fs.read", kind=FaultKind.CORRUPT, probability=0.3),
+            FaultRule(op="fs.read", kind=FaultKind.EIO, probability=0.3),
+        ]
+    else:
+        rules = [FaultRule(op="fs.read", kind=FaultKind.DELAY, delay_s=0.2, probability=0.3)]
+    tier.tier.faults = FaultPlan(rules, seed=11)
+    path = tmp_path / "faults.ndjson"
+    _record(driver, path, WorkloadSpec(num_requests=40, seed=3, wave=8))
+    events = _events(path)
+    jobs = sorted((k, v) for k, v in events.items() if k[0] == "job")
+    assert events[("job", "ack", "")] > 0, jobs
+    if faults == "bad-reads":
+        assert events[("job", "fail", "")] > 0, jobs
+    elif supports_deferred_release():
+        assert events[("job", "time_out", "")] > 0, jobs
     report = verify_trace_file(path)
     assert report.ok, report.summary()
 
