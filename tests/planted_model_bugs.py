@@ -28,7 +28,9 @@ __all__ = [
     "PLANTED_MODEL_BUGS",
     "plant_backend_reports_running_copies",
     "plant_deadline_queue_loses_entries",
+    "plant_deferred_release_not_pending",
     "plant_promotion_from_wrong_tier",
+    "plant_promotion_released_at_time_out",
     "plant_promotions_not_held_after_reset",
     "plant_quarantine_not_pending",
     "plant_sync_wait_covers_the_stream",
@@ -207,3 +209,43 @@ PLANTED_MODEL_BUGS["promotions_not_held_after_reset"] = (
     plant_promotions_not_held_after_reset,
     dataclasses.replace(DEFAULT, workers=1, failures=False, promotions=True, late_writes=True, reset_hold=True),
 )
+
+
+#: Promotions with their deadlines (one may pass), one worker, no failures, a reset (which makes the
+#: promotions: the primary forgets what the tier still holds), no preemption: about 18k states.
+PROMOTION_DEADLINES = dataclasses.replace(
+    DEFAULT, promotions=True, deadlines=1, promotion_deadlines=True, workers=1, failures=False, preemptions=0
+)
+
+
+@contextmanager
+def plant_promotion_released_at_time_out(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A timed-out promotion's slot is handed back at the time-out, while its tier I/O may still write it
+    (no deferred release: vLLM before 0.34's JobResult.deferred_release, or a kvfsm tier adapter that reports
+    a hung promotion early) (spec/README.md, "Promotion deadlines and deferred release")."""
+
+    def buggy(self: Model) -> bool:
+        return False
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "release_deferred", buggy)
+        yield
+
+
+PLANTED_MODEL_BUGS["promotion_released_at_time_out"] = (plant_promotion_released_at_time_out, PROMOTION_DEADLINES)
+
+
+@contextmanager
+def plant_deferred_release_not_pending(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The tiering manager's has_pending_work() forgets its deferred releases: the engine may go idle while a
+    timed-out promotion's I/O still writes a slot that only a poll hands back."""
+
+    def buggy(self: Model, tier: Sequence[Any]) -> bool:
+        return False
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Model, "promotions_quarantined", buggy)
+        yield
+
+
+PLANTED_MODEL_BUGS["deferred_release_not_pending"] = (plant_deferred_release_not_pending, PROMOTION_DEADLINES)

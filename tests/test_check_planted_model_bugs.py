@@ -30,6 +30,8 @@ EXPECTED: dict[str, tuple[str, int]] = {
     "quarantine_not_pending": ("pending_work_covers_jobs", 5),
     "sync_wait_covers_the_stream": ("step_wait_bounded", 10),
     "promotions_not_held_after_reset": ("stale_ids_ignored", 11),
+    "promotion_released_at_time_out": ("readable_only_after_commit", 11),
+    "deferred_release_not_pending": ("pending_work_covers_jobs", 12),
 }
 
 

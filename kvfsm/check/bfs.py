@@ -717,6 +717,9 @@ def describe_label(s: State, label: Label, names: Names | None = None) -> str:
         return f"tier {rec.tier}'s background sync of keys {list(rec.keys)} finishes (the cascade is durable)"
     if kind == "expire":
         return f"the deadline of {_job(s, label[1], names)} passes (Deadlines.store_s)"
+    if kind == "expire_promotion":
+        rec = s.tier[label[1]]
+        return f"the deadline of tier {rec.tier}'s promotion of keys {list(rec.keys)} passes (Deadlines.promote_s)"
     if kind == "shutdown":
         return "shutdown(timeout): every live request is aborted, shutdown / flush_all fires"
     if kind == "give_up":
@@ -836,7 +839,7 @@ def _translate(label: Label, maps: Canonical) -> Label:
         return (kind, maps.jobs[label[1]], maps.workers[label[2]], label[3])
     if kind == "tier":
         return (kind, maps.tier[label[1]], label[2])
-    if kind == "sync":
+    if kind in ("sync", "expire_promotion"):
         return (kind, maps.tier[label[1]])
     if kind == "expire":
         return (kind, maps.jobs[label[1]])
@@ -913,6 +916,7 @@ _ARROWS: dict[str, tuple[str, str, str]] = {
     "give_up": ("Engine", "Scheduler", "->>"),
     "stop": ("Engine", "Engine", "->>"),
     "expire": ("Engine", "Scheduler", "-->>"),
+    "expire_promotion": ("Tier", "Scheduler", "-->>"),
 }
 
 

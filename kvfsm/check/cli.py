@@ -79,6 +79,7 @@ EXPLORE_OPTIONS: tuple[str, ...] = (
     "sync_load_budget",
     "late_writes",
     "reset_hold",
+    "promotion_deadlines",
     "no_failures",
     "durable",
     "promotions",
@@ -107,6 +108,7 @@ NOT_FOR_SPIN: tuple[str, ...] = (
     "sync_load_budget",
     "late_writes",
     "reset_hold",
+    "promotion_deadlines",
     "durable",
     "keep_going",
     "max_states",
@@ -174,6 +176,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --promotions: after a reset, hold promotions (a key missing from the primary is a MISS) until "
         "every copy the reset discarded has reported (vLLM 0.34's _promotions_held)",
+    )
+    b.add_argument(
+        "--promotion-deadlines",
+        action="store_true",
+        help="with --promotions and --deadlines N: promotion deadlines pass too (of the N); a timed-out promotion "
+        "fails at once and its slot is held until its tier I/O is over (deferred release, pending work)",
     )
     b.add_argument(
         "--tier-pending",
@@ -384,6 +392,7 @@ def bounds_from(args: argparse.Namespace) -> Bounds:
         sync_load_budget=get("sync_load_budget"),
         late_writes=bool(getattr(args, "late_writes", False)),
         reset_hold=bool(getattr(args, "reset_hold", False)),
+        promotion_deadlines=bool(getattr(args, "promotion_deadlines", False)),
     )
 
 
@@ -442,6 +451,10 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and bounds.sync_load_budget:
         raise ConfigError(
             "--replay replays the implementation, which loads asynchronously only; drop --sync-load-budget"
+        )
+    if args.replay and bounds.promotion_deadlines:
+        raise ConfigError(
+            "--replay replays the implementation, whose harness passes store deadlines only; drop --promotion-deadlines"
         )
     if args.replay and bounds.reset_hold:
         raise ConfigError(

@@ -36,7 +36,8 @@ are separate methods, so that a bug planted in one (tests/planted_model_bugs.py)
 truth.
 
 Options widen the scope (:class:`Bounds`): promotions from the tiers (``promotions``), store deadlines
-with time-out and quarantine (``deadlines``), a bounded shutdown with ``flush_all``, give-up and ``stop``
+with time-out and quarantine (``deadlines``), promotion deadlines with deferred release
+(``promotion_deadlines``), a bounded shutdown with ``flush_all``, give-up and ``stop``
 (``shutdown``), a durable last tier (``durable``), up to two tiers (``tiers``); and one hazard, not a tier
 kvfsm runs: a last tier whose own ``has_pending_work()`` is always True (``tier_pending_always``, vLLM's
 KVCR tier), which the liveness check rejects; and vLLM 0.34's bounded synchronous loads
@@ -47,8 +48,9 @@ and the late write of a copy that a reset discarded (``late_writes``), with vLLM
 
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
 one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
-on stores only (not on loads, cascades or promotions, so no promotion quarantine and no vLLM 0.34
-``deferred_release``); one primary slot per key, so which freed slot a late copy writes after a reset is not
+on stores and, with ``promotion_deadlines``, promotions (not on loads or cascades); a timed-out promotion's key
+keeps its ``writing`` slot until the release (vLLM drops the key at once and holds a chunk for no key, which
+per-key slots cannot say); one primary slot per key, so which freed slot a late copy writes after a reset is not
 modelled (``late_writes`` treats every freed slot as possibly that one); a flush's blocking wait always
 completes the copy successfully; a reset is modelled with relative job ids (a discarded job is "below the
 threshold" iff its id 0 is below ``stale_threshold_after_reset(1, 0)``). The drain mode
@@ -87,11 +89,14 @@ from kvfsm.machines.names import (
 __all__ = [
     "ABSENT",
     "CHECKED_INVARIANTS",
+    "EXPIRED",
     "E_DONE",
     "E_LOAD",
     "E_RUN",
     "E_WAIT",
     "LOAD",
+    "RELEASE_DEFERRED",
+    "RELEASE_DUE",
     "REPORTED_COPYING",
     "STORE",
     "SYNCING",
@@ -191,7 +196,26 @@ REPORTED_COPYING: Final = 5
 #: A cascade to a durable tier whose write was reported, while its fsync, directory sync and index
 #: persistence still run in the background (the tier's own has_pending_work()).
 SYNCING: Final = 6
-SHARD_NAMES: Final = ("unlaunched", "copying", "done", "failed", "reported", "reported-while-copying", "syncing")
+#: Bounds.promotion_deadlines, a promotion's record only: its deadline (Deadlines.promote_s) has passed while
+#: its tier I/O runs; the manager's next on_schedule_end times it out (unless a poll sees the I/O over first).
+EXPIRED: Final = 7
+#: A promotion timed out (reported failed, out of the manager's transfer map) whose tier I/O still runs: its
+#: slot is held, out of the free pool, until the I/O is over (vLLM 0.34's JobResult.deferred_release).
+RELEASE_DEFERRED: Final = 8
+#: A timed-out promotion whose tier I/O is over, not polled yet: the next poll hands its slot back.
+RELEASE_DUE: Final = 9
+SHARD_NAMES: Final = (
+    "unlaunched",
+    "copying",
+    "done",
+    "failed",
+    "reported",
+    "reported-while-copying",
+    "syncing",
+    "copying past its deadline",
+    "timed out, copying (release deferred)",
+    "timed out, I/O over (release due)",
+)
 #: Shard states in which a copy still runs or has not been reported: a transfer remains (ground truth).
 _UNFINISHED_SHARDS: Final = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
 #: Shard states in which a copy has not started or still runs (its memory must stay put).
@@ -245,6 +269,9 @@ class Bounds:
     #: reserved until the workers have reported every copy the reset discarded; meanwhile a key missing from
     #: the primary is a MISS
     reset_hold: bool = False
+    #: promotion deadlines (Deadlines.promote_s) may pass too, sharing the ``deadlines`` bound: a promotion
+    #: timed out is failed at once, its slot held until its tier I/O is over (deferred release, pending work)
+    promotion_deadlines: bool = False
 
     def __post_init__(self) -> None:
         positive = ("requests", "prompts", "chunks", "workers", "slots", "groups")
@@ -264,6 +291,8 @@ class Bounds:
             raise ConfigError("promotions=True needs a secondary tier (tiers >= 1)")
         if self.tier_pending_always and not self.tiers:
             raise ConfigError("tier_pending_always=True needs a secondary tier (tiers >= 1)")
+        if self.promotion_deadlines and not (self.promotions and self.deadlines):
+            raise ConfigError("promotion_deadlines=True needs promotions=True and deadlines >= 1")
         if (self.late_writes or self.reset_hold) and not self.promotions:
             raise ConfigError("late_writes=True and reset_hold=True are about promotions: they need promotions=True")
         if self.workers > 8:
@@ -805,8 +834,21 @@ class Model:
         return [j for j, job in enumerate(jobs) if job[_J_EXPIRED] and job[_J_STATE] in _LIVE]
 
     def manager_pending(self, tier: Sequence[Any]) -> bool:
-        """TieringManager.has_pending_work(): transfers in its map, or a tier's own pending work."""
+        """TieringManager.has_pending_work(): transfers in its map, or a tier's own pending work (and, with
+        Bounds.promotion_deadlines, its quarantine: timed-out promotions whose release is deferred)."""
+        if self.bounds.promotion_deadlines and self.promotions_quarantined(tier):
+            return True
         return self.transfers_pending(tier) or self.tiers_pending(tier)
+
+    def promotions_quarantined(self, tier: Sequence[Any]) -> bool:
+        """The tiering manager's quarantine term: a timed-out promotion whose slot is not handed back yet
+        (vLLM 0.34: a deferred release outstanding keeps has_pending_work() True)."""
+        return any(t[_T_PROMOTE] and (t[_T_STATUS] == RELEASE_DEFERRED or t[_T_STATUS] == RELEASE_DUE) for t in tier)
+
+    def release_deferred(self) -> bool:
+        """Whether a timed-out promotion's slot waits for its tier I/O to be over (True) or is handed back at
+        the time-out (a planted bug: the next reservation may take a slot the late I/O still writes)."""
+        return True
 
     def transfers_pending(self, tier: Sequence[Any]) -> bool:
         """The manager's transfer-map term: cascades and promotions it has not polled as finished (queued
@@ -906,6 +948,8 @@ class Model:
             return self._sync_done(s, label[1])
         if kind == "expire":
             return self._expire(s, label[1])
+        if kind == "expire_promotion":
+            return self._expire_promotion(s, label[1])
         if kind == "arrive":
             return self._guard(self._arrive, s, label[1])
         if kind == "lookup":
@@ -958,12 +1002,16 @@ class Model:
                 elif shard == REPORTED_COPYING:  # already reported: only its end is left
                     out.append((("copy", j, w, True), self._copy_done(s, j, w, True)))
         for c, rec in enumerate(s.tier):
-            if rec.status == COPYING:
+            if rec.status == COPYING or rec.status == EXPIRED or rec.status == RELEASE_DEFERRED:
                 out.append((("tier", c, True), self._tier_done(s, c, True)))
                 if failures:
                     out.append((("tier", c, False), self._tier_done(s, c, False)))
             elif rec.status == SYNCING:
                 out.append((("sync", c), self._sync_done(s, c)))
+        if s.expiries < b.deadlines and b.promotion_deadlines:
+            for c, rec in enumerate(s.tier):
+                if rec.promote and rec.status == COPYING and not rec.harvested:
+                    out.append((("expire_promotion", c), self._expire_promotion(s, c)))
         if s.expiries < b.deadlines:
             for j, job in enumerate(s.jobs):
                 if job.kind == STORE and job.state in _LIVE and not job.expired:
@@ -1113,6 +1161,9 @@ class Model:
         """The tier's I/O for cascade ``c`` ends (ok or failed)."""
         tier = list(s.tier)
         rec = tier[c]
+        if rec.status == RELEASE_DEFERRED:  # a timed-out promotion's I/O is over: the next poll releases its slot
+            tier[c] = _new(_TIER_CLASS, (rec[0], RELEASE_DUE, *rec[2:]))
+            return _with_records(s, s[1], s[2], tuple(tier))
         if rec.harvested:  # a lying tier reported it already: its I/O ends now (and a durable tier syncs)
             if ok and self._durable(rec.tier) and not rec.promote:
                 tier[c] = _new(_TIER_CLASS, (rec[0], SYNCING, *rec[2:]))
@@ -1126,6 +1177,13 @@ class Model:
                 held[rec.tier] |= 1 << key
             return s._replace(tier=tuple(tier), held=tuple(held))
         return _with_records(s, s[1], s[2], tuple(tier))
+
+    def _expire_promotion(self, s: State, c: int) -> State:
+        """The clock passes promotion ``c``'s deadline (Deadlines.promote_s) while its tier I/O runs."""
+        tier = list(s.tier)
+        rec = tier[c]
+        tier[c] = _new(_TIER_CLASS, (rec[0], EXPIRED, *rec[2:]))
+        return s._replace(tier=tuple(tier), expiries=s.expiries + 1)
 
     def _expire(self, s: State, j: int) -> State:
         """The clock passes store job ``j``'s deadline (Deadlines.store_s)."""
@@ -1211,7 +1269,10 @@ class Model:
                         w.slots[key] = self.slot_event(WRITING, _SLOT_EV_ABORT_WRITE)
                     # TieringManager.shutdown's poll: a promotion that did not succeed (failed, or cancelled
                     # by the tier's shutdown) is released with invalidate=True.
-                    if w.held and not t[_T_HARVESTED] and t[_T_STATUS] in (COPYING, DONE_FAIL):
+                    if w.held and (
+                        (not t[_T_HARVESTED] and t[_T_STATUS] in (COPYING, DONE_FAIL, EXPIRED))
+                        or t[_T_STATUS] in (RELEASE_DEFERRED, RELEASE_DUE)
+                    ):
                         w.held[t[_T_TIER]] &= ~(1 << key)
                 elif not t[_T_HARVESTED]:
                     self._end_read(w, key)
@@ -1363,6 +1424,8 @@ class Model:
         w.polled = True
         if not w.tier:
             return
+        if self.bounds.promotion_deadlines:
+            self._release_due(w)
         done = sorted(
             (t for t in w.tier if not t[_T_HARVESTED] and self.tier_reports(t)), key=lambda t: (t[_T_TIER], t[_T_KEYS])
         )
@@ -1395,6 +1458,31 @@ class Model:
             # The cascade's job acks (or fails) its one report; either way the primary copy is unpinned.
             for key in t[_T_KEYS]:
                 self._end_read(w, key)
+
+    def _release_due(self, w: _World) -> None:
+        """TieringManager._poll's quarantine part: a timed-out promotion whose tier I/O is over hands its slot
+        back (the deferred release), and the tier's copy, which failed its deadline, is invalidated."""
+        due = [t for t in w.tier if t[_T_PROMOTE] and t[_T_STATUS] == RELEASE_DUE]
+        if not due:
+            return
+        w.tier = [t for t in w.tier if not (t[_T_PROMOTE] and t[_T_STATUS] == RELEASE_DUE)]
+        for t in due:
+            for key in t[_T_KEYS]:
+                if self.release_deferred():
+                    w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_ABORT_WRITE)
+                w.held[t[_T_TIER]] &= ~(1 << key)
+
+    def _expire_transfers(self, w: _World) -> None:
+        """TieringManager.expire_transfers at on_schedule_end, after its poll: every promotion whose deadline
+        has passed is timed out. It is reported failed at once (it leaves the transfer map); its slot stays
+        reserved until its tier I/O is over (deferred release), which the quarantine counts as pending work."""
+        for t in w.tier:
+            if t[_T_PROMOTE] and t[_T_STATUS] == EXPIRED:
+                t[_T_STATUS] = RELEASE_DEFERRED
+                t[_T_HARVESTED] = True
+                if not self.release_deferred():  # (a planted bug: the slot handed back while the I/O runs)
+                    for key in t[_T_KEYS]:
+                        w.slots[key] = self.slot_event(w.slots[key], _SLOT_EV_ABORT_WRITE)
 
     def _maybe_poll(self, w: _World) -> None:
         if self.bounds.tiers and not w.polled:
@@ -1504,6 +1592,8 @@ class Model:
                     )
         if self.bounds.tiers:  # manager.on_schedule_end: poll, submit the queued promotions, reopen the gate
             self._poll(w)
+            if self.bounds.promotion_deadlines:
+                self._expire_transfers(w)
             for t in w.tier:
                 if t[_T_PROMOTE] and t[_T_STATUS] == UNLAUNCHED:
                     if self.bounds.late_writes:
@@ -1924,11 +2014,13 @@ class Model:
         w.resets += 1
         if self.bounds.tiers:  # TieringManager.reset_cache: drain every tier, then poll
             for t in w.tier:
-                if t[_T_STATUS] == COPYING:
+                if t[_T_STATUS] == COPYING or t[_T_STATUS] == EXPIRED:
                     t[_T_STATUS] = DONE_OK
                     if w.held and not t[_T_PROMOTE]:
                         for key in t[_T_KEYS]:
                             w.held[t[_T_TIER]] |= 1 << key
+                elif t[_T_STATUS] == RELEASE_DEFERRED:
+                    t[_T_STATUS] = RELEASE_DUE  # drained: the poll below hands its slot back
             self._poll(w)
             w.tier = []  # drain_pending_work: every tier's writes and syncs are done; queued promotions dropped
         ignored = self.stale_threshold_after_reset(1, 0) > 0
