@@ -221,6 +221,7 @@ class Rig:
 
     def evict_all(self) -> None:
         self.tm.reset_cache()
+        self.tm.on_reset_flushed()  # no GPU copy was discarded: promotions are not held
 
     def close(self) -> None:
         self.tm.shutdown(timeout=GUARD_S)

@@ -477,6 +477,12 @@ def test_reset_drains_in_flight_work_and_drops_queued_promotions() -> None:
     assert primary.num_free == 4 and len(primary) == 0
     assert set(tier.keys()) == {k(0), k(5), k(6)}  # tiers keep their data
     assert tm.stats().promotions_dropped == 1
+    # The reset hold: until the caller says every copy the reset discarded has reported, a key missing from
+    # the primary is a MISS (a discarded store copy may still write any freed slot).
+    assert tm.lookup(k(0), R1) is MISS
+    assert tm.stats().promotions_held == 1 and primary.num_free == 4
+    tm.on_reset_flushed()
+    assert not tm.promotions_held
     assert tm.lookup(k(0), R1) is PENDING  # promoted back from the tier
 
 
@@ -559,6 +565,7 @@ def test_random_operations_keep_pins_and_liveness_consistent() -> None:
             tm.on_schedule_end()
         elif rng.random() < 0.02:
             tm.reset_cache()
+            tm.on_reset_flushed()  # no GPU copy runs here
             loads.clear()
         # Every pending tier job is in flight in the manager, with its primary slots in the right state.
         for tier in tiers:

@@ -347,6 +347,7 @@ def _tier_throughput(tier: SecondaryTier, n: int, value: int, per_step: int) -> 
         tm.on_schedule_end()
     write_s = time.perf_counter() - t0
     tm.reset_cache()
+    tm.on_reset_flushed()  # no GPU copy was discarded: nothing holds the promotions
     t0 = time.perf_counter()
     pending = list(keys)
     while pending:
@@ -362,6 +363,7 @@ def _tier_throughput(tier: SecondaryTier, n: int, value: int, per_step: int) -> 
         raise ConfigError(f"tier {tier.name!r}: {len(missing)} of {n} chunks were not promoted back")
     latencies = []
     tm.reset_cache()
+    tm.on_reset_flushed()  # no GPU copy was discarded: nothing holds the promotions
     for k in keys[: min(n, 50)]:
         while tm.lookup(k, _CTX) is LookupResult.RETRY:  # an existence check first (not timed)
             tm.on_schedule_end()

@@ -65,6 +65,11 @@ class OffloadingManager(ABC):
         """True while the manager needs the engine to keep stepping. Default: never."""
         return False
 
+    def on_reset_flushed(self) -> None:  # noqa: B027 - optional hook
+        """Every copy that the last ``reset_cache`` discarded has reported: none can still write a primary
+        slot the reset freed. A tiering manager holds its promotions until then (spec/README.md, "The
+        reset hold"); vLLM 0.34's connector calls this too."""
+
     @abstractmethod
     def take_events(self) -> list[OffloadingEvent]: ...
 

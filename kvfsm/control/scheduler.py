@@ -304,6 +304,10 @@ class OffloadingScheduler:
         self._chunks_being_loaded: set[OffloadKey] = set()
         self._batch = _Batch()
         self._reset_flush: set[int] = set()
+        # The reset fence: store job a reset discarded -> mask of the ranks whose report is still due. Until
+        # it is empty a discarded copy may still write a primary slot the reset freed (spec/README.md, "The
+        # reset hold"); then the manager is told (on_reset_flushed).
+        self._reset_fence: dict[int, int] = {}
         self._events: list[OffloadingEvent] = []
         self._load_errors: dict[str, tuple[int, ...]] = {}
         self.stats = SchedulerStats()
@@ -326,7 +330,9 @@ class OffloadingScheduler:
 
     def _other_pending_work(self) -> bool:
         """Pending work besides the awaited jobs: quarantined copies that have not reported (until a
-        shutdown gives them up, spec/README.md "Quarantine"), then the manager's own."""
+        shutdown gives them up, spec/README.md "Quarantine"), then the manager's own. The reset fence is
+        not pending work: a reset's discarded jobs stop the signal at once (spec/README.md, "The reset
+        hold")."""
         return (bool(self._quarantine) and not self._abandoned) or self.manager.has_pending_work()
 
     def request_state(self, req_id: str) -> RequestState:
@@ -855,6 +861,8 @@ class OffloadingScheduler:
             for job_id, ranks in reports.items():
                 if job_id < threshold:
                     self.stats.stale_reports_ignored += 1
+                    if self._reset_fence:
+                        self._fence_report(job_id, ranks)
                     continue
                 for rank in ranks if len(ranks) < 2 else sorted(ranks):  # _in_rank_order, inline
                     if quarantine and job_id in quarantine:
@@ -913,6 +921,20 @@ class OffloadingScheduler:
                 self._fire(st, _LOAD_DONE)
         if st.state is _FINISHED_SIGNALLED and not st.jobs:
             self._delete(st)
+
+    def _fence_report(self, job_id: int, ranks: AbstractSet[int]) -> None:
+        """Ranks reported a job a reset discarded: once every such copy has, release the reset hold."""
+        due = self._reset_fence.get(job_id)
+        if due is None:
+            return
+        for rank in ranks:
+            due &= ~(1 << rank)
+        if due:
+            self._reset_fence[job_id] = due
+            return
+        del self._reset_fence[job_id]
+        if not self._reset_fence:
+            self.manager.on_reset_flushed()
 
     def _late_report(self, job_id: int, rank: int) -> None:
         q = self._quarantine[job_id]
@@ -1003,12 +1025,20 @@ class OffloadingScheduler:
         for job in self._jobs.values():
             if job.state in (JobState.SUBMITTED, JobState.IN_FLIGHT):
                 job.discard()
+            running = job.launched_mask & ~job.reported_mask
+            if job.kind is JobKind.STORE and running:
+                # Its launched copies may still write the slots the reset frees; the next step's flush waits
+                # for them and each rank reports. (A rank that had not launched it never will: it is stale.)
+                self._reset_fence[job.job_id] = running
             if job.kind is JobKind.LOAD:
                 # Its late report will be ignored by id, so its outcome is unknown: recompute the blocks.
                 self._load_errors[job.req_id] = job.gpu.block_ids
         self._reset_flush.update(self._jobs)
         # Quarantined copies are flushed like every stale job; the reset frees their memory wholesale.
         self._reset_flush.update(self._quarantine)
+        for job_id, q in self._quarantine.items():
+            if q.job.kind is JobKind.STORE and q.outstanding:
+                self._reset_fence[job_id] = q.outstanding
         self._released.extend(self._quarantine)
         self._quarantine.clear()
         self._expiry.clear()
@@ -1026,6 +1056,8 @@ class OffloadingScheduler:
                 del self._requests[st.ctx.req_id]
                 self._num_finished -= 1
         self.manager.reset_cache()
+        if not self._reset_fence:
+            self.manager.on_reset_flushed()  # no discarded copy can write a freed slot: nothing to hold
         self._stale_threshold = stale_threshold_after_reset(self._job_counter, self._stale_threshold)
         self._jobs.clear()
         self._fences.clear()

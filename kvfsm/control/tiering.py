@@ -61,6 +61,8 @@ class TieringCounters:
     promotions_dropped: int = 0
     #: Secondary hits computed instead of promoted: no slot was free without evicting one of this step's hits.
     promotions_refused: int = 0
+    #: Primary misses answered MISS without asking the tiers: a reset's discarded copies had not all reported.
+    promotions_held: int = 0
     cascades_submitted: int = 0
     cascades_completed: int = 0
     cascades_failed: int = 0
@@ -84,6 +86,7 @@ class TieringStats:
     promotions_failed: int
     promotions_dropped: int
     promotions_refused: int
+    promotions_held: int
     cascades_submitted: int
     cascades_completed: int
     cascades_failed: int
@@ -220,6 +223,7 @@ class TieringManager(OffloadingManager):
         # never loses an earlier hit to its own promotion (no livelock; emptied by on_schedule_end).
         self._protected: set[OffloadKey] = set()
         self._stale_ids: set[int] = set()  # jobs a reset gave up on; their late results are ignored
+        self._promotions_held = False  # set by reset_cache until on_reset_flushed (the reset hold)
         self._deadlines = deadlines if deadlines is not None else Deadlines()
         self._clock: Clock = clock if clock is not None else time.monotonic
         self._expiry = DeadlineQueue()
@@ -300,6 +304,11 @@ class TieringManager(OffloadingManager):
             return result
         if result is not LookupResult.MISS:
             return result  # HIT_PENDING (a store or a promotion already under way)
+        if self._promotions_held:
+            # After a reset, a discarded store copy may still write any freed slot: no promotion may fill
+            # one until on_reset_flushed (spec/README.md, "The reset hold"). A miss: the chunk is computed.
+            self._stats.promotions_held += 1
+            return LookupResult.MISS
         retry = False
         for i, tier in enumerate(self._tiers):
             answer = tier.lookup(key, ctx)
@@ -424,6 +433,17 @@ class TieringManager(OffloadingManager):
         self._primary.reset_cache()
         self._protected.clear()
         self._polled = False
+        # Until the caller says every discarded copy has reported (on_reset_flushed), none is promoted.
+        self._promotions_held = bool(self._tiers)
+
+    @override
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
+
+    @property
+    def promotions_held(self) -> bool:
+        """Promotions are held since the last reset_cache, until on_reset_flushed."""
+        return self._promotions_held
 
     def expire_transfers(self, now: float | None = None) -> int:
         """Time out every transfer past its deadline (``on_schedule_end`` calls this); returns how many."""

@@ -463,6 +463,9 @@ class SecondaryTierStateMachine(RuleBasedStateMachine):
         """reset_cache: the manager drains the tier, then empties the primary (the tier keeps its data)."""
         note("reset_cache")
         self.manager.reset_cache()
+        # No GPU copy runs in this machine, so no discarded copy can write a freed slot: the reset hold ends
+        # at once (a scheduler calls this once every copy the reset discarded has reported).
+        self.manager.on_reset_flushed()
         assert self.manager.num_transfer_jobs == 0
 
     # -- checks --

@@ -144,6 +144,15 @@ def event_carries_request_context() -> bool:
 
 
 @functools.cache
+def connector_reports_reset_flushed() -> bool:
+    """vLLM's connector tells its ``OffloadingManager`` when every job a cache reset flushed has been reported
+    (``on_reset_flushed``, 0.34 on); 0.32 and 0.33 never do."""
+    from vllm.v1.kv_offload.base import OffloadingManager
+
+    return hasattr(OffloadingManager, "on_reset_flushed")
+
+
+@functools.cache
 def manager_has_touch() -> bool:
     """vLLM's ``OffloadingManager`` interface still has ``touch()`` (0.32 and 0.33)."""
     from vllm.v1.kv_offload.base import OffloadingManager

@@ -32,6 +32,7 @@ from kvfsm.control.types import OffloadKey
 from kvfsm.control.types import ReqContext as KvfsmContext
 from kvfsm.errors import ConfigKeyError
 from kvfsm.vllm.compat import (
+    connector_reports_reset_flushed,
     event_carries_request_context,
     event_has_metadata_only,
     manager_has_touch,
@@ -252,6 +253,15 @@ class KvfsmOffloadingManager(OffloadingManager):
     @override
     def reset_cache(self) -> None:
         self._manager.reset_cache()
+        if not connector_reports_reset_flushed():
+            # vLLM before 0.34 never says when the jobs its reset flushed have reported, so kvfsm's reset hold
+            # cannot be kept here and is released at once: a promotion may race a discarded store's late copy
+            # (spec/README.md, "The reset hold"). vLLM 0.34 calls on_reset_flushed below.
+            self._manager.on_reset_flushed()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.34: every job the connector's cache reset flushed has been reported."""
+        self._manager.on_reset_flushed()
 
     @override
     def config_info(self) -> Sequence[Any]:
