@@ -195,7 +195,7 @@ PLANTED_MODEL_BUGS["sync_wait_covers_the_stream"] = (
 def plant_promotions_not_held_after_reset(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The tiering manager forgets its reset hold (vLLM 0.34's ``_promotions_held``): right after a reset, a
     lookup promotes into a primary slot that a store copy the reset discarded may still write (spec/README.md,
-    "The reset hold"). kvfsm's own TieringManager has no such hold: this is how it behaves today."""
+    "The reset hold"). kvfsm's own TieringManager behaved so before it had the hold."""
 
     def buggy(self: Model, jobs: Sequence[Any]) -> bool:
         return False

@@ -175,7 +175,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reset-hold",
         action="store_true",
         help="with --promotions: after a reset, hold promotions (a key missing from the primary is a MISS) until "
-        "every copy the reset discarded has reported (vLLM 0.34's _promotions_held)",
+        "every launched copy the reset discarded has reported (kvfsm's TieringManager, vLLM 0.34's _promotions_held)",
     )
     b.add_argument(
         "--promotion-deadlines",
@@ -456,9 +456,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--replay replays the implementation, whose harness passes store deadlines only; drop --promotion-deadlines"
         )
-    if args.replay and bounds.reset_hold:
+    if args.replay and bounds.promotions and bounds.resets and not bounds.reset_hold:
+        # The implementation holds promotions until the copies a reset discarded have reported; the model without
+        # the hold promotes there (spec/README.md, "The reset hold").
         raise ConfigError(
-            "--replay replays the implementation, which does not hold promotions after a reset; drop --reset-hold"
+            "--replay replays the implementation, which holds promotions after a reset until the copies it "
+            "discarded have reported; add --reset-hold, or --resets 0"
         )
     model = Model(bounds, drain)
     if show:

@@ -43,8 +43,9 @@ kvfsm runs: a last tier whose own ``has_pending_work()`` is always True (``tier_
 KVCR tier), which the liveness check rejects; and vLLM 0.34's bounded synchronous loads
 (``sync_load_budget``): a hit that fits the step's remaining budget is loaded in the step that runs its
 request, which waits for that load's copies before its forward (the ``blocked`` flag, in a running engine);
-and the late write of a copy that a reset discarded (``late_writes``), with vLLM 0.34's reset hold
-(``reset_hold``), which keeps promotions from the slots it may write.
+and the late write of a copy that a reset discarded (``late_writes``), with the reset hold (``reset_hold``,
+kvfsm's and vLLM 0.34's): the reset's fence of discarded copies keeps promotions from the slots they may
+write until they have reported.
 
 Abstractions (what the model leaves out, on purpose): one GPU block per chunk and a request's blocks as
 one group, allocated whole at admission; no GPU prefix cache (every lookup starts at token 0); deadlines
@@ -222,6 +223,9 @@ _UNFINISHED_SHARDS: Final = frozenset({UNLAUNCHED, COPYING, DONE_OK, DONE_FAIL, 
 _BUSY: Final = frozenset({UNLAUNCHED, COPYING, REPORTED_COPYING})
 #: Shard states in which a copy runs or has finished unreported (it holds memory until a poll hands it back).
 _UNREPORTED_COPIES: Final = frozenset({COPYING, DONE_OK, DONE_FAIL, REPORTED_COPYING})
+#: Shard states the scheduler's bookkeeping sees as launched and not reported (``launched_mask &
+#: ~reported_mask``): what its reset fence waits for. A shard reported while its copy runs is not one.
+_LAUNCHED_UNREPORTED: Final = frozenset({COPYING, DONE_OK, DONE_FAIL})
 # A slot as vLLM's ref_cnt: -2 absent, -1 writing, 0 ready, n >= 1 reading (n readers).
 ABSENT: Final = -2
 WRITING: Final = -1
@@ -265,9 +269,9 @@ class Bounds:
     #: until a step has flushed it: a promotion submitted before then may be the late write's victim, which
     #: breaks stale_ids_ignored (spec/README.md, "The reset hold")
     late_writes: bool = False
-    #: vLLM 0.34's reset hold (TieringOffloadingManager._promotions_held): after a reset, no promotion is
-    #: reserved until the workers have reported every copy the reset discarded; meanwhile a key missing from
-    #: the primary is a MISS
+    #: the reset hold (spec/README.md, "The reset hold"; kvfsm's TieringManager, vLLM 0.34's _promotions_held):
+    #: reset_cache fences the store copies it discards that are launched and unreported; until each has
+    #: reported no promotion is reserved: a key missing from the primary is a MISS
     reset_hold: bool = False
     #: promotion deadlines (Deadlines.promote_s) may pass too, sharing the ``deadlines`` bound: a promotion
     #: timed out is failed at once, its slot held until its tier I/O is over (deferred release, pending work)
@@ -884,9 +888,16 @@ class Model:
 
     def promotions_held(self, jobs: Sequence[Any]) -> bool:
         """Bounds.reset_hold: the tiering manager's ``_promotions_held``, set by reset_cache and cleared by
-        ``on_reset_flushed`` once the workers have reported every copy the reset discarded."""
+        ``on_reset_flushed``, which the scheduler calls once its reset fence is empty (at the reset if it
+        fenced nothing): held exactly while the fence is not empty. reset_cache fences the store copies it
+        discards that are launched and not reported by the bookkeeping (an awaited store's, a quarantined
+        store's outstanding ones; never a load's); each one's report clears it. A discarded job never
+        launches again, so the model's shard states say what is still fenced. (The fence is not pending
+        work: the engine is told nothing of it.)"""
         return any(
-            (j[_J_STATE] is _JOB_STALE or j[_J_IGNORED]) and not _UNREPORTED_COPIES.isdisjoint(j[_J_SHARDS])
+            j[_J_KIND] == STORE
+            and (j[_J_STATE] is _JOB_STALE or j[_J_IGNORED])
+            and not _LAUNCHED_UNREPORTED.isdisjoint(j[_J_SHARDS])
             for j in jobs
         )
 
