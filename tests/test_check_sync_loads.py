@@ -152,6 +152,7 @@ def test_kvfsm_check_reports_the_wait(capsys: pytest.CaptureFixture[str]) -> Non
 def test_bad_uses_of_the_option_are_one_line_errors(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    code: int | str | None
     try:
         code = main(["check", *SMALL_ARGS, *args])
     except SystemExit as exc:  # argparse's own errors
