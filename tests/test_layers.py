@@ -54,7 +54,15 @@ ALLOWED: dict[str, set[str]] = {
 #: beside the checker) and the demo.
 ENTRY_POINTS = {"kvfsm", "kvfsm.__main__", "kvfsm.cli", "kvfsm.check.cli", "kvfsm.demo"}
 #: Layers that must run without torch (the sans-IO core and everything that verifies it).
-TORCH_FREE = {"kvfsm.errors", "kvfsm.validation", "kvfsm.machines", "kvfsm.control", "kvfsm.tiers", "kvfsm.check"}
+TORCH_FREE = {
+    "kvfsm.errors",
+    "kvfsm.validation",
+    "kvfsm.machines",
+    "kvfsm.control",
+    "kvfsm.tiers",
+    "kvfsm.check",
+    "kvfsm.observe",
+}
 #: Names the torch-free layers may not import at all (the data plane's libraries).
 TORCH_LIBS = {"torch", "numpy"}
 #: The one layer that may import vLLM (the optional ``kvfsm[vllm]`` extra).
