@@ -10,6 +10,7 @@ a MISS meanwhile, and a promotion after the flush holds the tier's bytes.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 from helpers import FakeRequest, keys_of, tokens
@@ -50,14 +51,16 @@ class _Rig:
             for sid in slots.slot_ids:
                 self.memory.write_slot(sid, LATE)
 
-    def step(self, scheduled: tuple[ScheduledRequest, ...] = (), *, before_flush: object = None) -> None:
+    def step(
+        self, scheduled: tuple[ScheduledRequest, ...] = (), *, before_flush: Callable[[], None] | None = None
+    ) -> None:
         """One engine step: metadata, (``before_flush()``: the tier's I/O getting there first), the workers'
         flush, loads and stores, their reports."""
         out = SchedulerOutput(scheduled)
         if self.remote is not None:
             # What crosses a process boundary: the step's message as JSON, the rank's report back.
             wire = json.dumps(self.sched.build_step_message(out).to_wire())
-            if callable(before_flush):
+            if before_flush is not None:
                 before_flush()
             self.remote.bind(StepMessage.from_wire(json.loads(wire)))
             self.remote.before_forward()
@@ -65,7 +68,7 @@ class _Rig:
             self.sched.apply_reports([self.remote.poll().report])
             return
         meta = self.sched.build_connector_meta(out)
-        if callable(before_flush):
+        if before_flush is not None:
             before_flush()
         self.worker.before_forward(meta)
         self.worker.after_forward(meta)
@@ -88,7 +91,7 @@ def _one_chunk(seed: str) -> FakeRequest:
 
 @pytest.mark.parametrize("remote", [False, True], ids=["in-process", "across-a-process-boundary"])
 @pytest.mark.parametrize("hold", [True, False], ids=["hold", "planted-no-hold"])
-def test_a_promotion_never_races_a_discarded_copy(remote: bool, hold: bool) -> None:
+def test_a_promotion_never_races_a_discarded_copy(remote: bool, hold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     rig = _Rig(remote=remote)
     writer = _one_chunk("writer")
     assert rig.admit(writer) == 0
@@ -105,7 +108,7 @@ def test_a_promotion_never_races_a_discarded_copy(remote: bool, hold: bool) -> N
             reset()
             rig.manager.on_reset_flushed()
 
-        rig.manager.reset_cache = reset_without_hold  # type: ignore[method-assign]
+        monkeypatch.setattr(rig.manager, "reset_cache", reset_without_hold)
     rig.sched.reset_cache()
     # A reset stops the pending signal for what it discarded; the hold lasts until the flush has reported.
     assert not rig.sched.has_pending_push_work()
